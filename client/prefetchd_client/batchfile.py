@@ -1,0 +1,227 @@
+"""The batch file: one finished batch, readable without the daemon.
+
+Layout (format version 1; all integers little-endian)::
+
+    offset        size   content
+    0             8      magic  b"PFDBATCH"
+    8             4      u32    format version (1)
+    12            4      u32    H, length of the JSON header in bytes
+    16            H      JSON header, UTF-8 (see below)
+    16+H          ...    zero padding up to the first field
+    offset_i      n_i    field i: C-contiguous array data, offset_i a multiple of 64
+
+The header is one JSON object::
+
+    {"epoch": E, "step": K, "rank": R,
+     "fields": [{"name": "image", "dtype": "uint8", "shape": [B, H, W, 3], "offset": 4096}, ...],
+     "meta": {...}}          # free-form, small: config hash, per-batch notes
+
+A writer reserves a header area of ``data_start - 16`` bytes (a multiple of 4096 with the
+default layout), so the header can be written after the pixels, and the first field is
+page-aligned for mapping.
+
+The parser checks, before it touches any field, and raises BatchFormatError otherwise:
+file at least 16 bytes; magic; version; 2 <= H <= MAX_HEADER_BYTES and 16 + H <= file size;
+header is a UTF-8 JSON object; epoch/step/rank non-negative integers; 1..MAX_FIELDS fields,
+each with a unique name (1-64 chars), a dtype from ALLOWED_DTYPES, a shape of at most
+MAX_DIMS non-negative integers, an integer offset that is a multiple of FIELD_ALIGN, not
+inside the header, and an extent (offset + size) within the file; extents do not overlap.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+from .errors import BatchFormatError
+
+MAGIC = b"PFDBATCH"
+VERSION = 1
+PREAMBLE = struct.Struct("<8sII")  # magic, version, header length
+MAX_HEADER_BYTES = 1 << 20
+MAX_FIELDS = 64
+MAX_DIMS = 8
+FIELD_ALIGN = 64
+HEADER_AREA_ALIGN = 4096
+ALLOWED_DTYPES = frozenset(
+    ["uint8", "int8", "uint16", "int16", "int32", "uint32", "int64", "float16", "float32", "float64", "bool"]
+)
+
+
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * np.dtype(self.dtype).itemsize
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> FieldSpec:
+        return cls(str(d["name"]), str(d["dtype"]), tuple(int(x) for x in d["shape"]))
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where each field of a batch lives; the same for every batch of a job."""
+
+    fields: tuple[FieldSpec, ...]
+    offsets: tuple[int, ...]
+    data_start: int
+    size: int
+
+    @classmethod
+    def plan(cls, fields: list[FieldSpec], header_area: int = HEADER_AREA_ALIGN) -> BatchLayout:
+        data_start = _align(max(header_area, PREAMBLE.size + 1), HEADER_AREA_ALIGN)
+        offsets, pos = [], data_start
+        for f in fields:
+            if f.dtype not in ALLOWED_DTYPES:
+                raise ValueError(f"field {f.name!r}: dtype {f.dtype} is not one of {sorted(ALLOWED_DTYPES)}")
+            offsets.append(pos)
+            pos = _align(pos + f.nbytes, FIELD_ALIGN)
+        return cls(tuple(fields), tuple(offsets), data_start, max(pos, data_start))
+
+    def header_bytes(self, epoch: int, step: int, rank: int, meta: dict | None = None) -> bytes:
+        fields = [dict(f.to_json(), offset=o) for f, o in zip(self.fields, self.offsets)]
+        header = {"epoch": epoch, "step": step, "rank": rank, "fields": fields, "meta": meta or {}}
+        data = json.dumps(header, separators=(",", ":")).encode()
+        if PREAMBLE.size + len(data) > self.data_start:
+            raise ValueError(f"batch header of {len(data)} bytes does not fit the {self.data_start}-byte header area")
+        return data
+
+
+class BatchWriter:
+    """Fills one batch file in place: the space is reserved first, then mapped and written.
+
+    ``posix_fallocate`` reserves every block before the file is mapped, so a full tmpfs
+    fails here with ENOSPC instead of killing the writer with SIGBUS on a page fault.
+    """
+
+    def __init__(self, path: str | os.PathLike, layout: BatchLayout):
+        self.layout = layout
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.posix_fallocate(self._fd, 0, layout.size)
+            self._map = mmap.mmap(self._fd, layout.size)
+        except BaseException:
+            os.close(self._fd)
+            os.unlink(path)
+            raise
+        self.arrays = {
+            f.name: np.frombuffer(self._map, dtype=f.dtype, count=math.prod(f.shape), offset=o).reshape(f.shape)
+            for f, o in zip(layout.fields, layout.offsets)
+        }
+
+    def finish(self, epoch: int, step: int, rank: int, meta: dict | None = None) -> None:
+        header = self.layout.header_bytes(epoch, step, rank, meta)
+        self._map[: PREAMBLE.size] = PREAMBLE.pack(MAGIC, VERSION, len(header))
+        self._map[PREAMBLE.size : PREAMBLE.size + len(header)] = header
+        self.close()
+
+    def close(self) -> None:
+        self.arrays = {}  # drop the exported views so the map can close
+        if not self._map.closed:
+            self._map.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _fail(msg: str) -> BatchFormatError:
+    return BatchFormatError(f"invalid batch file: {msg}")
+
+
+def _nonneg_int(v, what: str) -> int:
+    if type(v) is not int or v < 0:
+        raise _fail(f"{what} must be a non-negative integer, got {v!r:.40}")
+    return v
+
+
+def parse_header(buf, size: int) -> dict:
+    """Validate the preamble and header of a batch held in ``buf`` (``size`` bytes).
+
+    Returns the header with each field's ``nbytes`` added. Raises only BatchFormatError.
+    """
+    if size < PREAMBLE.size:
+        raise _fail(f"{size} bytes, shorter than the {PREAMBLE.size}-byte preamble")
+    magic, version, hlen = PREAMBLE.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise _fail(f"bad magic {magic!r}, expected {MAGIC!r}")
+    if version != VERSION:
+        raise _fail(f"format version {version}, this reader understands {VERSION}")
+    if not 2 <= hlen <= MAX_HEADER_BYTES or PREAMBLE.size + hlen > size:
+        raise _fail(f"header length {hlen} out of range for a {size}-byte file")
+    try:
+        header = json.loads(bytes(buf[PREAMBLE.size : PREAMBLE.size + hlen]).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise _fail(f"header is not UTF-8 JSON ({exc})") from None
+    if not isinstance(header, dict):
+        raise _fail("header is not a JSON object")
+    for key in ("epoch", "step", "rank"):
+        _nonneg_int(header.get(key), key)
+    if not isinstance(header.get("meta", {}), dict):
+        raise _fail("meta must be an object")
+    fields = header.get("fields")
+    if not isinstance(fields, list) or not 1 <= len(fields) <= MAX_FIELDS:
+        raise _fail(f"fields must be a list of 1 to {MAX_FIELDS} entries")
+    extents, names = [], set()
+    for i, f in enumerate(fields):
+        if not isinstance(f, dict):
+            raise _fail(f"field #{i} is not an object")
+        name, dtype, shape, offset = f.get("name"), f.get("dtype"), f.get("shape"), f.get("offset")
+        if not isinstance(name, str) or not 1 <= len(name) <= 64 or name in names:
+            raise _fail(f"field #{i} has a missing, overlong or repeated name")
+        names.add(name)
+        if dtype not in ALLOWED_DTYPES:
+            raise _fail(f"field {name!r}: dtype {dtype!r:.40} not allowed")
+        if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+            raise _fail(f"field {name!r}: shape must be a list of at most {MAX_DIMS} dimensions")
+        for d in shape:
+            _nonneg_int(d, f"field {name!r} dimension")
+        _nonneg_int(offset, f"field {name!r} offset")
+        if offset % FIELD_ALIGN or offset < PREAMBLE.size + hlen:
+            raise _fail(f"field {name!r}: offset {offset} misaligned or inside the header")
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        if offset + nbytes > size:
+            raise _fail(f"field {name!r}: extent {offset}+{nbytes} runs past the end of the {size}-byte file")
+        f["nbytes"] = nbytes
+        extents.append((offset, offset + nbytes, name))
+    extents.sort()
+    for (_, end, a), (start, _, b) in zip(extents, extents[1:]):
+        if start < end:
+            raise _fail(f"fields {a!r} and {b!r} overlap")
+    return header
+
+
+def map_batch(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
+    """Map a batch file and return (header, arrays) without copying the data.
+
+    The map is private copy-on-write: the arrays are writable (torch wants that) while
+    reads share the tmpfs pages; the daemon may unlink the file while the arrays live.
+    """
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < PREAMBLE.size:
+            raise _fail(f"{path}: {size} bytes, shorter than the {PREAMBLE.size}-byte preamble")
+        buf = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    header = parse_header(buf, size)
+    arrays = {}
+    for f in header["fields"]:
+        count = math.prod(f["shape"])
+        arrays[f["name"]] = np.frombuffer(buf, dtype=f["dtype"], count=count, offset=f["offset"]).reshape(f["shape"])
+    return header, arrays

@@ -1,0 +1,25 @@
+"""Errors the client raises. Each message says what went wrong and how to fix it."""
+
+
+class PrefetchError(RuntimeError):
+    """Base class of every error the client raises on purpose."""
+
+
+class JobNotRunning(PrefetchError):
+    """No daemon serves the requested job."""
+
+
+class DaemonDied(PrefetchError):
+    """The daemon stopped while the client was waiting for a batch."""
+
+
+class BatchTimeout(PrefetchError, TimeoutError):
+    """A batch did not appear within the client's timeout."""
+
+
+class PlanMismatch(PrefetchError):
+    """The client's rank, world size or state does not match the daemon's plan."""
+
+
+class BatchFormatError(PrefetchError, ValueError):
+    """A batch file is not a valid prefetchd batch (see prefetchd_client.batchfile)."""

@@ -1,0 +1,214 @@
+"""PrefetchLoader: a drop-in replacement for DataLoader that reads prefetched batches.
+
+Each ``iter()`` is one epoch from the current position. For every batch the loader tells
+the daemon its position over ZeroMQ (never blocking: a slow or dead daemon never stalls the
+trainer), waits for the batch file with a deadline, and maps it without copying.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import time
+import weakref
+from collections.abc import Iterator
+
+import zmq
+
+from . import batchfile
+from .errors import BatchTimeout, DaemonDied, JobNotRunning, PlanMismatch
+from .layout import JobPaths, daemon_alive, read_manifest
+
+STATE_VERSION = 1
+_LIVENESS_CHECK_S = 0.5  # how often a waiting client checks the daemon and repeats its position
+_MAX_POLL_S = 0.005  # longest sleep between looks for a batch file
+_SEND_QUEUE = 64  # position reports that may wait for the daemon; only the latest matters
+_CLOSE_LINGER_MS = 200
+
+
+def _close_socket(context: zmq.Context, socket: zmq.Socket) -> None:
+    socket.close(linger=_CLOSE_LINGER_MS)
+    context.term()
+
+
+def _torch():
+    """torch when it is installed; None otherwise. Imported lazily: the daemon shares this package."""
+    try:
+        return importlib.import_module("torch")
+    except ImportError:
+        return None
+
+
+def _default_rank_and_world() -> tuple[int, int]:
+    torch = _torch()
+    dist = getattr(torch, "distributed", None) if torch else None
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+class PrefetchLoader:
+    """Iterate the batches of rank ``rank`` of the prefetchd job ``job``.
+
+    Batches are dicts of torch tensors (numpy arrays when torch is absent) mapped from the
+    batch file: ``image`` uint8 [B, H, W, 3], ``label`` int64 [B], ``index`` int64 [B].
+    """
+
+    def __init__(
+        self,
+        job: str,
+        *,
+        rank: int | None = None,
+        world_size: int | None = None,
+        root: str | os.PathLike | None = None,
+        timeout: float = 120.0,
+        as_tensors: bool | None = None,
+    ):
+        self._paths = JobPaths.of(job, root)
+        self.manifest = self._read_manifest()
+        default_rank, default_world = _default_rank_and_world()
+        self.rank = default_rank if rank is None else int(rank)
+        self.world_size = default_world if world_size is None else int(world_size)
+        self._check_plan()
+        self.timeout = float(timeout)
+        self._torch = _torch() if as_tensors in (None, True) else None
+        if as_tensors and self._torch is None:
+            raise ImportError("as_tensors=True needs torch; install it or pass as_tensors=False")
+        self._epoch, self._step = 0, 0  # the next batch this rank reads
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        # Reports queue while the ipc connection comes up (it is asynchronous) and are
+        # dropped once _SEND_QUEUE are waiting: a dead daemon costs the trainer nothing.
+        self._socket.setsockopt(zmq.SNDHWM, _SEND_QUEUE)
+        self._socket.connect(self.manifest["endpoint"])
+        # Deliver the last reports at exit, but never wait on a dead daemon for long.
+        self._finalizer = weakref.finalize(self, _close_socket, self._context, self._socket)
+
+    # -- setup -----------------------------------------------------------------------------
+
+    def _read_manifest(self) -> dict:
+        job, root = self._paths.name, self._paths.dir.parent
+        hint = f"start it with `prefetchd start CONFIG --name {job}` (root {root})"
+        try:
+            manifest = read_manifest(self._paths)
+        except FileNotFoundError:
+            raise JobNotRunning(f"no prefetchd job {job!r} is running under {root}: {hint}") from None
+        if not daemon_alive(self._paths):
+            raise JobNotRunning(f"the daemon of job {job!r} is not running (stale {self._paths.dir}): {hint}")
+        return manifest
+
+    def _check_plan(self) -> None:
+        world = self.manifest["world_size"]
+        if self.world_size != world:
+            raise PlanMismatch(
+                f"this trainer has world size {self.world_size}, but job {self._paths.name!r} was planned "
+                f"for world_size = {world}: restart the job with --world-size {self.world_size}, "
+                f"or pass world_size={world}"
+            )
+        if not 0 <= self.rank < world:
+            raise PlanMismatch(f"rank {self.rank} is outside 0..{world - 1} of job {self._paths.name!r}")
+
+    # -- DataLoader surface ----------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self.manifest["batches_per_epoch"]
+
+    @property
+    def batch_size(self) -> int:
+        return self.manifest["batch_size"]
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """(epoch, step) of the next batch this rank will read."""
+        return self._epoch, self._step
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start the next ``iter()`` at the beginning of ``epoch``.
+
+        Setting the epoch the loader is already in changes nothing, so the usual
+        ``loader.set_epoch(epoch)`` at the top of each epoch keeps a mid-epoch resume.
+        """
+        if epoch != self._epoch:
+            self._epoch, self._step = int(epoch), 0
+
+    def __iter__(self) -> Iterator[dict]:
+        n = len(self)
+        if self._step >= n:  # the previous epoch ran to its end
+            self._epoch, self._step = self._epoch + 1, 0
+        epoch = self._epoch
+        for step in range(self._step, n):
+            self._report(epoch, step)
+            batch = self._fetch(epoch, step)
+            self._step = step + 1
+            yield batch
+        self._epoch, self._step = epoch + 1, 0
+        self._report(epoch + 1, 0)
+
+    def state_dict(self) -> dict:
+        """Global, JSON-serialisable position: the same on every rank."""
+        return {
+            "version": STATE_VERSION,
+            "config_hash": self.manifest["config_hash"],
+            "epoch": self._epoch,
+            "samples_consumed": self._step * self.manifest["global_batch"],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at ``state`` from the next ``iter()``; the daemon is told at once."""
+        expected = {"version": STATE_VERSION, "config_hash": self.manifest["config_hash"]}
+        differing = {k: (state.get(k), v) for k, v in expected.items() if state.get(k) != v}
+        if differing:
+            shown = ", ".join(f"{k}: state has {a!r}, job has {b!r}" for k, (a, b) in differing.items())
+            raise PlanMismatch(f"cannot load this state into job {self._paths.name!r}: {shown}")
+        consumed, global_batch = int(state["samples_consumed"]), self.manifest["global_batch"]
+        if consumed % global_batch:
+            raise PlanMismatch(
+                f"state consumed {consumed} samples, not a multiple of the job's global batch {global_batch}"
+            )
+        self._epoch, self._step = int(state["epoch"]), consumed // global_batch
+        self._report(self._epoch, self._step)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _report(self, epoch: int, step: int) -> None:
+        msg = {"op": "position", "rank": self.rank, "epoch": epoch, "step": step, "pid": os.getpid()}
+        try:
+            self._socket.send(json.dumps(msg).encode(), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the daemon is slow or gone: the next report, or the wait loop, repeats it
+
+    def _fetch(self, epoch: int, step: int) -> dict:
+        path = self._paths.batch(epoch, step, self.rank)
+        start = time.monotonic()
+        deadline, next_check = start + self.timeout, start + _LIVENESS_CHECK_S
+        delay = 0.0002
+        while True:
+            try:
+                _, arrays = batchfile.map_batch(path)
+                break
+            except FileNotFoundError:
+                pass
+            now = time.monotonic()
+            if now >= next_check:
+                if not daemon_alive(self._paths):
+                    raise DaemonDied(
+                        f"the daemon of job {self._paths.name!r} stopped while rank {self.rank} waited for "
+                        f"epoch {epoch} step {step}; see {self._paths.log} and restart it with `prefetchd start`"
+                    )
+                self._report(epoch, step)
+                next_check = now + _LIVENESS_CHECK_S
+            if now >= deadline:
+                raise BatchTimeout(
+                    f"batch epoch {epoch} step {step} rank {self.rank} of job {self._paths.name!r} did not "
+                    f"arrive within {self.timeout:.0f} s; check `prefetchd status {self._paths.name}` and "
+                    f"{self._paths.log}, or raise timeout="
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, _MAX_POLL_S)
+        if self._torch is None:
+            return arrays
+        return {name: self._torch.from_numpy(a) for name, a in arrays.items()}

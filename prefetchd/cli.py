@@ -1,0 +1,190 @@
+"""The ``prefetchd`` command. Thin: each command parses flags, calls one function, and
+turns a UserError into its message and exit code (never a traceback)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from prefetchd_client.layout import JobPaths, daemon_alive, resolve_root
+
+from . import control
+from .config import load_config
+from .errors import JobError, UserError
+from .sizes import format_size
+
+app = typer.Typer(
+    add_completion=False, no_args_is_help=True, help="Prefetch augmented training batches into a tmpfs buffer."
+)
+err = Console(stderr=True)
+out = Console()
+
+RootOpt = Annotated[
+    Optional[Path],
+    typer.Option("--root", help="Folder of job directories [default: $PREFETCHD_ROOT or /dev/shm/prefetchd-<uid>]"),
+]
+
+
+def _fail(exc: UserError) -> typer.Exit:
+    err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+    return typer.Exit(exc.exit_code)
+
+
+def _job_paths(job: str, root: Optional[Path]) -> JobPaths:
+    try:
+        return JobPaths.of(job, root)
+    except ValueError as exc:
+        raise _fail(JobError(str(exc))) from None
+
+
+@app.command()
+def start(
+    config: Annotated[Optional[Path], typer.Argument(help="TOML config (see configs/)")] = None,
+    buffer: Annotated[Optional[str], typer.Option(help="Byte bound of the buffer, e.g. 30G")] = None,
+    workers: Annotated[Optional[int], typer.Option(help="Worker processes [default: cores - 1]")] = None,
+    name: Annotated[Optional[str], typer.Option(help="Job name [default: config's, else its file name]")] = None,
+    seed: Annotated[Optional[int], typer.Option()] = None,
+    world_size: Annotated[Optional[int], typer.Option(help="Trainer ranks that read this job")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Samples per batch, per rank")] = None,
+    drop_last: Annotated[Optional[bool], typer.Option("--drop-last/--no-drop-last")] = None,
+    data: Annotated[Optional[str], typer.Option(help="Data folder (or file list) of the only source")] = None,
+    root: RootOpt = None,
+    foreground: Annotated[bool, typer.Option("--foreground", help="Stay attached (containers, systemd)")] = False,
+    keep: Annotated[bool, typer.Option("--keep", help="Keep the job directory when the daemon stops")] = False,
+) -> None:
+    """Start a job's daemon; returns once it serves, printing its job dir and pid."""
+    from .daemon import serve, start_detached
+
+    overrides = dict(
+        buffer=buffer,
+        workers=workers,
+        name=name,
+        seed=seed,
+        world_size=world_size,
+        batch_size=batch_size,
+        drop_last=drop_last,
+        data=data,
+    )
+    try:
+        cfg = load_config(config, overrides)
+        paths = _job_paths(cfg.name, root)
+        if foreground:
+
+            def notify(msg: dict) -> None:
+                if msg["ok"]:
+                    err.print(f"job {cfg.name} serving at {paths.dir} (pid {msg['pid']}); Ctrl-C stops it")
+
+            code = serve(cfg, paths, keep=keep, notify=notify, detach_output=False)
+            if code:
+                raise UserError(f"the daemon stopped with exit code {code}; see {paths.log}")
+            return
+        msg = start_detached(cfg, paths, keep=keep)
+    except UserError as exc:
+        raise _fail(exc) from None
+    out.print(f"job {cfg.name} serving\njob dir: {msg['job_dir']}\npid: {msg['pid']}", highlight=False)
+
+
+def _job_status(paths: JobPaths) -> dict:
+    if not daemon_alive(paths):
+        return {"job": paths.name, "state": "not running", "job_dir": str(paths.dir)}
+    reply = control.request(paths.endpoint, {"op": "status"}, timeout_s=3.0)
+    if reply is None:
+        return {"job": paths.name, "state": "not responding", "job_dir": str(paths.dir)}
+    return {"state": "serving", "job_dir": str(paths.dir), **reply}
+
+
+def _print_status(s: dict) -> None:
+    out.print(f"[bold]{s['job']}[/]: {s['state']}  ({s['job_dir']})", highlight=False)
+    if s["state"] != "serving":
+        return
+    b, r = s["buffer"], s["rates"]
+    out.print(
+        f"  pid {s['pid']}, up {s['uptime_s']:.0f} s; buffer {format_size(b['used_bytes'])} / "
+        f"{format_size(b['bound_bytes'])} (files {format_size(b['files_bytes'])}, "
+        f"peak {format_size(b['peak_bytes'])})\n  batch {format_size(b['batch_bytes'])}, "
+        f"window {b['window_per_rank']} batches per rank",
+        highlight=False,
+    )
+    out.print(
+        f"  produced {r['produced_images_per_s']:.0f} img/s, consumed {r['consumed_images_per_s']:.0f} img/s; "
+        f"workers {s['workers']['busy']}/{s['workers']['count']} busy, {s['workers']['restarts']} restarts",
+        highlight=False,
+    )
+    table = Table("rank", "epoch", "step", "ready", "in flight", "consumed", "last report", box=None)
+    for rk in s["ranks"]:
+        age = "never" if rk["last_report_s_ago"] is None else f"{rk['last_report_s_ago']:.1f} s ago"
+        table.add_row(*(str(rk[k]) for k in ("rank", "epoch", "step", "ready", "in_flight", "consumed")), age)
+    out.print(table)
+
+
+@app.command()
+def status(
+    job: Annotated[Optional[str], typer.Argument(help="Job name [default: every job under the root]")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
+    root: RootOpt = None,
+) -> None:
+    """Show the buffer, each rank's position, and production and consumption rates."""
+    if job is not None:
+        paths = _job_paths(job, root)
+        if not paths.dir.exists():
+            raise _fail(JobError(f"no job {job!r} under {paths.dir.parent}; start one with `prefetchd start CONFIG`"))
+        jobs = [paths]
+    else:
+        base = resolve_root(root)
+        jobs = sorted(JobPaths(p) for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
+    reports = [_job_status(p) for p in jobs]
+    if as_json:
+        print(json.dumps(reports[0] if job is not None else reports, indent=1))
+        return
+    if not reports:
+        out.print(f"no jobs under {resolve_root(root)}")
+    for s in reports:
+        _print_status(s)
+
+
+@app.command()
+def stop(
+    job: Annotated[str, typer.Argument(help="Job name")],
+    keep: Annotated[bool, typer.Option("--keep", help="Keep the job directory")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for a graceful stop before killing")] = 15.0,
+    root: RootOpt = None,
+) -> None:
+    """Stop a job's daemon and workers; removes its directory unless --keep."""
+    from .daemon import stop_job
+
+    try:
+        outcome = stop_job(_job_paths(job, root), keep=keep, timeout_s=timeout)
+    except UserError as exc:
+        raise _fail(exc) from None
+    out.print(f"job {job}: {outcome}", highlight=False)
+
+
+@app.command()
+def demo(
+    images: Annotated[int, typer.Option(help="Images in the generated dataset")] = 640,
+    epochs: Annotated[int, typer.Option()] = 2,
+    workers: Annotated[Optional[int], typer.Option(help="Worker processes [default: cores - 1]")] = None,
+    buffer: Annotated[str, typer.Option()] = "256M",
+    root: RootOpt = None,
+) -> None:
+    """Generate a small JPEG dataset, serve it, train a tiny model on it, stop."""
+    from .demo import run_demo
+
+    try:
+        run_demo(images=images, epochs=epochs, workers=workers, buffer=buffer, root=root, console=out)
+    except UserError as exc:
+        raise _fail(exc) from None
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

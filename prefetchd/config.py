@@ -1,0 +1,209 @@
+"""The job config: a TOML file, with every key overridable by a flag of ``prefetchd start``.
+
+```toml
+[job]
+name = "imagenet"        # the job directory's name; default: the config file's stem
+seed = 0
+world_size = 8           # trainer ranks that read this job
+batch_size = 256         # per rank
+drop_last = true         # false: the last step is padded from the epoch's start
+
+[daemon]
+buffer = "30G"           # byte bound of the buffer (K, M, G, T = powers of 1024)
+workers = 15             # default: cores - 1, at least 1
+
+[[source]]
+kind = "image_folder"    # or "file_list" with path = "train.txt" ("path,label" lines)
+root = "/data/imagenet/train"
+
+[[transform]]            # in order; see prefetchd.transforms
+op = "random_resized_crop"
+size = 224
+
+[pipeline]               # optional: your own per-sample code instead of [[transform]]
+callable = "mypkg.aug:make_sample"
+```
+
+Relative paths resolve against the config file's folder. Pure: no I/O beyond reading the file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from prefetchd_client.layout import check_job_name
+
+from . import transforms
+from .errors import ConfigError
+from .sizes import parse_size
+
+DEFAULT_BUFFER = "1G"
+# Without a config file: the usual ImageNet training crop.
+DEFAULT_TRANSFORMS = ({"op": "random_resized_crop", "size": 224}, {"op": "hflip"})
+_SECTIONS = {"job", "daemon", "source", "transform", "pipeline"}
+_JOB_KEYS = {"name": str, "seed": int, "world_size": int, "batch_size": int, "drop_last": bool}
+_DAEMON_KEYS = {"buffer": (str, int), "workers": int}
+_SOURCE_KEYS = {"image_folder": {"kind", "root", "name"}, "file_list": {"kind", "path", "name"}}
+
+
+def default_workers() -> int:
+    return max(1, (os.cpu_count() or 2) - 1)
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    seed: int = 0
+    world_size: int = 1
+    batch_size: int = 32
+    drop_last: bool = True
+    buffer_bytes: int = field(default_factory=lambda: parse_size(DEFAULT_BUFFER))
+    workers: int = field(default_factory=default_workers)
+    sources: tuple[dict, ...] = ()
+    transforms: tuple[dict, ...] = ()
+    pipeline: str | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, d: dict) -> Config:
+        return cls(**{**d, "sources": tuple(d["sources"]), "transforms": tuple(d["transforms"])})
+
+    def plan_hash(self, data_fingerprint: str) -> str:
+        """Hash of everything that decides batch content; a resume state must match it."""
+        keys = ("seed", "world_size", "batch_size", "drop_last", "sources", "transforms", "pipeline")
+        plan = {k: getattr(self, k) for k in keys} | {"data": data_fingerprint}
+        return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _typed(value, types, where: str):
+    types = types if isinstance(types, tuple) else (types,)
+    # bool is an int in Python; a flag like world_size = true is still a mistake.
+    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+        names = " or ".join(t.__name__ for t in types)
+        raise ConfigError(f"{where} must be {names}, got {value!r}")
+    return value
+
+
+def _check_keys(table: dict, known, where: str) -> None:
+    unknown = sorted(set(table) - set(known))
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {unknown[0]!r}; known keys: {', '.join(sorted(known))}")
+
+
+def _resolve(path: str, base: Path) -> str:
+    p = Path(path).expanduser()
+    return str(p if p.is_absolute() else (base / p).resolve())
+
+
+def _check_source(i: int, src, base: Path) -> dict:
+    where = f"[[source]] #{i + 1}"
+    if not isinstance(src, dict):
+        raise ConfigError(f"{where} must be a table")
+    kind = src.get("kind")
+    if kind not in _SOURCE_KEYS:
+        raise ConfigError(f"{where}: kind must be one of {', '.join(sorted(_SOURCE_KEYS))}, got {kind!r}")
+    _check_keys(src, _SOURCE_KEYS[kind], f"{where} ({kind})")
+    key = "root" if kind == "image_folder" else "path"
+    if not isinstance(src.get(key), str) or not src[key]:
+        raise ConfigError(f'{where} ({kind}) needs {key} = "..." (or pass --data PATH)')
+    return {**src, key: _resolve(src[key], base)}
+
+
+def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | None = None) -> Config:
+    """Validate a parsed TOML document plus flag overrides into a Config."""
+    _check_keys(raw, _SECTIONS, "config")
+    job, daemon = dict(raw.get("job", {})), dict(raw.get("daemon", {}))
+    _check_keys(job, _JOB_KEYS, "[job]")
+    _check_keys(daemon, _DAEMON_KEYS, "[daemon]")
+    overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
+    data = overrides.pop("data", None)
+    for k, v in overrides.items():
+        (job if k in _JOB_KEYS else daemon)[k] = v
+    for k, types in _JOB_KEYS.items():
+        if k in job:
+            _typed(job[k], types, f"[job] {k}")
+    for k, types in _DAEMON_KEYS.items():
+        if k in daemon:
+            _typed(daemon[k], types, f"[daemon] {k}")
+
+    name = job.get("name", default_name)
+    try:
+        check_job_name(name)
+    except ValueError as exc:
+        raise ConfigError(f"[job] name / --name: {exc}") from None
+    for k in ("world_size", "batch_size"):
+        if job.get(k, 1) < 1:
+            raise ConfigError(f"[job] {k} / --{k.replace('_', '-')} must be at least 1, got {job[k]}")
+    if job.get("seed", 0) < 0:
+        raise ConfigError(f"[job] seed / --seed must be non-negative, got {job['seed']}")
+    try:
+        buffer_bytes = parse_size(daemon.get("buffer", DEFAULT_BUFFER))
+    except ValueError as exc:
+        raise ConfigError(f"[daemon] buffer / --buffer: {exc}") from None
+    workers = daemon.get("workers", default_workers())
+    if workers < 1:
+        raise ConfigError(f"[daemon] workers / --workers must be at least 1, got {workers}")
+
+    raw_sources = raw.get("source", [])
+    if not isinstance(raw_sources, list):
+        raise ConfigError("source must be an array of tables: write [[source]], not [source]")
+    if data is not None:
+        if len(raw_sources) > 1:
+            raise ConfigError("--data replaces the only [[source]]'s folder, but the config has several")
+        kind = raw_sources[0].get("kind", "image_folder") if raw_sources else "image_folder"
+        key = "root" if kind == "image_folder" else "path"
+        raw_sources = [{**(raw_sources[0] if raw_sources else {"kind": kind}), key: data}]
+        base_for_data = Path.cwd()
+    if not raw_sources:
+        raise ConfigError("no data: add a [[source]] table to the config, or pass --data FOLDER")
+    sources = tuple(_check_source(i, s, base_for_data if data is not None else base) for i, s in enumerate(raw_sources))
+
+    pipeline = raw.get("pipeline", {})
+    _check_keys(pipeline, {"callable"}, "[pipeline]")
+    callable_ = pipeline.get("callable")
+    if callable_ is not None and (not isinstance(callable_, str) or callable_.count(":") != 1):
+        raise ConfigError(f"[pipeline] callable must look like 'package.module:function', got {callable_!r}")
+    specs = raw.get("transform", [])
+    if not isinstance(specs, list):
+        raise ConfigError("transform must be an array of tables: write [[transform]], not [transform]")
+    if callable_ is None:
+        transforms.validate_transforms(specs)
+    elif specs:
+        raise ConfigError("use either [pipeline] callable or [[transform]] entries, not both")
+
+    return Config(
+        name=name,
+        seed=job.get("seed", 0),
+        world_size=job.get("world_size", 1),
+        batch_size=job.get("batch_size", 32),
+        drop_last=job.get("drop_last", True),
+        buffer_bytes=buffer_bytes,
+        workers=workers,
+        sources=sources,
+        transforms=tuple(specs),
+        pipeline=callable_,
+    )
+
+
+def load_config(path: str | os.PathLike | None, overrides: dict | None = None) -> Config:
+    """Read a TOML config (or none: flags only) and apply flag overrides."""
+    if path is None:
+        raw = {"transform": [dict(t) for t in DEFAULT_TRANSFORMS]}
+        return build_config(raw, base=Path.cwd(), default_name="default", overrides=overrides)
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    return build_config(raw, base=path.resolve().parent, default_name=path.stem, overrides=overrides)

@@ -1,0 +1,538 @@
+"""The master process: plan, schedule, supervise workers, collect garbage, answer status.
+
+It never touches pixels: it sends (epoch, step, rank) tasks to workers and deletes the
+files of consumed batches. One thread runs the loop; signal handlers and the progress
+watcher only enqueue, and the loop dispatches.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import multiprocessing
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from prefetchd_client.batchfile import BatchLayout, FieldSpec
+from prefetchd_client.layout import JobPaths
+
+from . import control
+from .config import Config
+from .errors import ConfigError, DataError, JobError
+from .jobdir import JobDir
+from .plan import Plan
+from .producer import ProducerSpec, builtin_fields
+from .progress_watch import ProgressWatcher
+from .scheduler import Scheduler
+from .sizes import format_size
+from .sources import build_index
+from .worker import worker_main
+
+log = logging.getLogger("prefetchd")
+
+# Named exit codes of the daemon process.
+EXIT_OK = 0
+EXIT_WORKER_BOOT = 5
+EXIT_SAMPLE_ERROR = 6
+EXIT_WORKER_CRASHES = 7
+EXIT_TASK_ERROR = 8
+
+_WORKER_BOOT_TIMEOUT_S = 120.0
+_WORKER_STOP_TIMEOUT_S = 5.0
+_LOOP_TICK_MS = 50
+_RESTART_BUDGET = 20  # worker deaths tolerated within _RESTART_WINDOW_S
+_RESTART_WINDOW_S = 60.0
+_TASK_ATTEMPTS = 3  # a batch that fails this often (not a bad sample) stops the daemon
+_RATE_WINDOW_S = 10.0
+_FORMAT_VERSION = 1
+
+
+class DaemonStop(Exception):
+    """Stops the daemon with a message and a named exit code."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass
+class WorkerSlot:
+    process: multiprocessing.Process
+    conn: object
+    ready: bool = False
+    task: tuple[int, int] | None = None  # (rank, linear index)
+
+
+@dataclass
+class Rates:
+    """Events in the last _RATE_WINDOW_S seconds, for the status rates."""
+
+    events: collections.deque = field(default_factory=collections.deque)
+
+    def add(self, now: float, n: int = 1) -> None:
+        self.events.append((now, n))
+
+    def per_second(self, now: float) -> float:
+        while self.events and self.events[0][0] < now - _RATE_WINDOW_S:
+            self.events.popleft()
+        return sum(n for _, n in self.events) / _RATE_WINDOW_S
+
+
+class Master:
+    def __init__(self, config: Config, paths: JobPaths, keep: bool = False):
+        self.config = config
+        self.paths = paths
+        self.keep = keep
+        self.jobdir = JobDir(paths)
+        self.workers: list[WorkerSlot] = []
+        self.stop_reason: DaemonStop | None = None
+        self._signals: collections.deque[int] = collections.deque()
+        self._restarts: collections.deque[float] = collections.deque()
+        self._attempts: collections.Counter = collections.Counter()
+        self._retry_after: dict[tuple[int, int], float] = {}
+        self._context = zmq.Context()
+        self._socket = None
+        self._watcher = None
+        self.produced, self.deleted, self.bad_messages = 0, 0, 0
+        self.peak_bytes = 0
+        self._produce_rate, self._consume_rate = Rates(), Rates()
+        self._last_report: dict[int, float] = {}
+        self.started_at = time.time()
+
+    # -- start-up ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Lock the job, index the data, boot workers, bind the socket, write the manifest."""
+        self.jobdir.acquire()  # raises without touching anything if another daemon runs
+        try:
+            self._start_locked()
+        except BaseException:
+            self._halt_workers()
+            self._close_io()
+            self.jobdir.remove()
+            self.jobdir.release()
+            raise
+
+    def _start_locked(self) -> None:
+        self.jobdir.prepare()
+        _log_to(self.paths.log)
+        cfg = self.config
+        log.info("starting job %s (pid %d): %s", self.paths.name, os.getpid(), json.dumps(cfg.to_json()))
+        index = build_index(cfg.sources)
+        index.save(self.paths.dir / "index")
+        self.plan = Plan(len(index), cfg.world_size, cfg.batch_size, cfg.seed, cfg.drop_last)
+        if self.plan.batches_per_epoch < 1:
+            raise DataError(
+                f"the data has {len(index)} samples, fewer than one global batch "
+                f"({cfg.world_size} ranks x batch_size {cfg.batch_size}); lower --batch-size or add data"
+            )
+        self.config_hash = cfg.plan_hash(index.fingerprint())
+        self.spec = ProducerSpec(
+            job_dir=str(self.paths.dir),
+            plan=self.plan.__dict__.copy(),
+            transforms=list(cfg.transforms),
+            pipeline=cfg.pipeline,
+            config_hash=self.config_hash,
+        )
+        if cfg.pipeline is None:  # known now: refuse a bad buffer before booting anything
+            self._set_layout(builtin_fields(cfg.batch_size, list(cfg.transforms)))
+        for _ in range(cfg.workers):
+            self.workers.append(self.spawn_worker())
+        fields = self._await_first_worker()
+        if cfg.pipeline is not None:
+            self._set_layout(fields)
+        self._socket = control.bind_server(self._context, self.paths.endpoint)
+        self._watcher = ProgressWatcher(str(self.paths.progress_dir))
+        self._watcher.start()
+        self._write_manifest()
+        log.info(
+            "serving: %d batches/epoch/rank of %s, window %d batches/rank, bound %s",
+            self.plan.batches_per_epoch,
+            format_size(self.layout.size),
+            self.scheduler.window,
+            format_size(cfg.buffer_bytes),
+        )
+
+    def _set_layout(self, fields: list[FieldSpec]) -> None:
+        self.layout = BatchLayout.plan(fields)
+        cfg, size = self.config, self.layout.size
+        capacity = cfg.buffer_bytes // size
+        if capacity < cfg.world_size:
+            raise ConfigError(
+                f"--buffer {format_size(cfg.buffer_bytes)} is smaller than one batch per rank: a batch is "
+                f"{format_size(size)} and there are {cfg.world_size} rank(s); use --buffer "
+                f"{format_size(size * cfg.world_size * 8)} or more (a few hundred batches per rank is typical)"
+            )
+        stats = os.statvfs(self.paths.dir)
+        free = stats.f_bavail * stats.f_frsize
+        if cfg.buffer_bytes > free:
+            raise ConfigError(
+                f"--buffer {format_size(cfg.buffer_bytes)} exceeds the {format_size(free)} free on the "
+                f"filesystem of {self.paths.dir.parent}; use a smaller --buffer, another --root, or give the "
+                "container more shared memory (Docker's /dev/shm is 64 MB unless run with --shm-size=32g)"
+            )
+        self.scheduler = Scheduler(cfg.world_size, capacity)
+
+    def _await_first_worker(self) -> list[FieldSpec]:
+        """Wait for one worker to boot; its fields are the batch layout (they all compute the same)."""
+        deadline = time.monotonic() + _WORKER_BOOT_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for slot in self.workers:
+                for msg in self._receive(slot):
+                    if msg["op"] == "ready":
+                        slot.ready = True
+                        return [FieldSpec.from_json(f) for f in msg["fields"]]
+                    self._on_boot_failure(msg)
+                if not slot.process.is_alive() and not slot.conn.poll(0):
+                    raise JobError(
+                        f"a worker exited with code {slot.process.exitcode} while booting; see {self.paths.log}"
+                    )
+            multiprocessing.connection.wait([s.conn for s in self.workers], timeout=0.2)
+        raise JobError(f"no worker booted within {_WORKER_BOOT_TIMEOUT_S:.0f} s; see {self.paths.log}")
+
+    def _on_boot_failure(self, msg: dict) -> None:
+        if msg["op"] == "boot_failed":
+            log.error("worker failed to boot:\n%s", msg["error"])
+            last = msg["error"].strip().splitlines()[-1]
+            raise DaemonStop(f"a worker could not start: {last} (full traceback in {self.paths.log})", EXIT_WORKER_BOOT)
+
+    def _write_manifest(self) -> None:
+        cfg = self.config
+        manifest = {
+            "format_version": _FORMAT_VERSION,
+            "job": self.paths.name,
+            "config_hash": self.config_hash,
+            "num_samples": self.plan.num_samples,
+            "batches_per_epoch": self.plan.batches_per_epoch,
+            "world_size": cfg.world_size,
+            "batch_size": cfg.batch_size,
+            "global_batch": self.plan.global_batch,
+            "drop_last": cfg.drop_last,
+            "fields": [f.to_json() for f in self.layout.fields],
+            "batch_bytes": self.layout.size,
+            "buffer_bytes": cfg.buffer_bytes,
+            "window_per_rank": self.scheduler.window,
+            "workers": cfg.workers,
+            "pid": os.getpid(),
+            "endpoint": self.paths.endpoint,
+            "started_at": self.started_at,
+        }
+        tmp = self.paths.dir / ".manifest.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(manifest, f, indent=1)
+        os.replace(tmp, self.paths.manifest)
+
+    # -- workers -------------------------------------------------------------------------
+
+    def spawn_worker(self) -> WorkerSlot:
+        ctx = multiprocessing.get_context("spawn")
+        parent_conn, child_conn = ctx.Pipe()
+        process = ctx.Process(
+            target=worker_main, args=(json.dumps(self.spec.to_json()), child_conn), daemon=True, name="prefetchd-worker"
+        )
+        process.start()
+        child_conn.close()
+        return WorkerSlot(process, parent_conn)
+
+    def _receive(self, slot: WorkerSlot) -> list[dict]:
+        msgs = []
+        try:
+            while slot.conn.poll(0):
+                msgs.append(json.loads(slot.conn.recv_bytes()))
+        except (EOFError, OSError):
+            pass  # the worker is gone; reap_workers notices
+        return msgs
+
+    def collect_results(self, slot: WorkerSlot) -> None:
+        for msg in self._receive(slot):
+            op = msg["op"]
+            if op == "ready":
+                slot.ready = True
+            elif op == "boot_failed":
+                self._on_boot_failure(msg)
+            elif op == "done":
+                self._on_batch_done(slot, msg)
+            elif op == "failed":
+                self._on_batch_failed(slot, msg)
+
+    def _on_batch_done(self, slot: WorkerSlot, msg: dict) -> None:
+        rank, index = slot.task
+        slot.task = None
+        self._attempts.pop((rank, index), None)
+        self.produced += 1
+        self._produce_rate.add(time.monotonic())
+        if not self.scheduler.task_finished(rank, index):
+            self.delete_batch(rank, index)  # its rank moved on (or back) while it was made
+
+    def _on_batch_failed(self, slot: WorkerSlot, msg: dict) -> None:
+        rank, index = slot.task
+        slot.task = None
+        self.scheduler.task_abandoned(rank, index)
+        epoch, step = self.plan.unlinear(index)
+        if msg["sample"]:
+            log.error("bad sample in batch e%d s%d r%d: %s", epoch, step, rank, msg["error"])
+            raise DaemonStop(f"cannot read a sample: {msg['error']}", EXIT_SAMPLE_ERROR)
+        self._attempts[(rank, index)] += 1
+        log.warning(
+            "batch e%d s%d r%d failed (attempt %d):\n%s", epoch, step, rank, self._attempts[(rank, index)], msg["error"]
+        )
+        if self._attempts[(rank, index)] >= _TASK_ATTEMPTS:
+            last = msg["error"].strip().splitlines()[-1]
+            raise DaemonStop(f"batch e{epoch} s{step} r{rank} failed {_TASK_ATTEMPTS} times: {last}", EXIT_TASK_ERROR)
+        self._retry_after[(rank, index)] = time.monotonic() + 0.5 * self._attempts[(rank, index)]
+
+    def reap_workers(self) -> None:
+        """Replace dead workers; their unfinished batch goes back to the scheduler."""
+        now = time.monotonic()
+        for i, slot in enumerate(self.workers):
+            if slot.process.is_alive():
+                continue
+            self.collect_results(slot)  # it may have reported before dying
+            code = slot.process.exitcode
+            slot.conn.close()
+            if slot.task is not None:
+                self.scheduler.task_abandoned(*slot.task)
+            if not slot.ready:
+                raise DaemonStop(
+                    f"a worker exited with code {code} before it booted; see {self.paths.log}", EXIT_WORKER_BOOT
+                )
+            self._restarts.append(now)
+            while self._restarts and self._restarts[0] < now - _RESTART_WINDOW_S:
+                self._restarts.popleft()
+            if len(self._restarts) > _RESTART_BUDGET:
+                raise DaemonStop(
+                    f"{len(self._restarts)} workers died within {_RESTART_WINDOW_S:.0f} s (last exit code {code}); "
+                    f"stopping instead of restarting forever; see {self.paths.log}",
+                    EXIT_WORKER_CRASHES,
+                )
+            log.warning("worker pid %d died (exit code %s); starting a new one", slot.process.pid, code)
+            self.workers[i] = self.spawn_worker()
+
+    def assign_tasks(self) -> None:
+        now = time.monotonic()
+        for slot in self.workers:
+            if not slot.ready or slot.task is not None:
+                continue
+            task = self.scheduler.next_task()
+            if task is None:
+                return
+            if self._retry_after.get(task, 0) > now:
+                return  # the most urgent batch is backing off after a failure
+            self._retry_after.pop(task, None)
+            rank, index = task
+            epoch, step = self.plan.unlinear(index)
+            try:
+                slot.conn.send_bytes(json.dumps({"op": "produce", "epoch": epoch, "step": step, "rank": rank}).encode())
+            except OSError:
+                continue  # dying worker: reap_workers replaces it
+            self.scheduler.task_started(rank, index)
+            slot.task = task
+            self.peak_bytes = max(self.peak_bytes, self.scheduler.held * self.layout.size)
+
+    # -- positions and garbage -----------------------------------------------------------
+
+    def move_position(self, rank: int, epoch: int, step: int) -> None:
+        if not 0 <= rank < self.config.world_size or step > self.plan.batches_per_epoch:
+            raise control.BadMessage(f"position rank {rank} epoch {epoch} step {step} is outside the plan")
+        state = self.scheduler.ranks[rank]
+        before = state.consumed
+        for index in self.scheduler.move_position(rank, self.plan.linear(epoch, step)):
+            self.delete_batch(rank, index)
+        now = time.monotonic()
+        self._last_report[rank] = now
+        if state.consumed > before:
+            self._consume_rate.add(now, state.consumed - before)
+
+    def delete_batch(self, rank: int, index: int) -> None:
+        epoch, step = self.plan.unlinear(index)
+        try:
+            os.unlink(self.paths.batch(epoch, step, rank))
+            self.deleted += 1
+        except FileNotFoundError:
+            pass
+
+    def handle_control(self) -> None:
+        while True:
+            try:
+                frames = self._socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 2:
+                self.bad_messages += 1
+                continue
+            peer, data = frames
+            try:
+                msg = control.decode_message(data)
+                if msg["op"] == "position":
+                    self.move_position(msg["rank"], msg["epoch"], msg["step"])
+                    continue
+                reply = self._answer(msg)
+            except control.BadMessage as exc:
+                self.bad_messages += 1
+                if self.bad_messages <= 10:
+                    log.warning("dropped a control message: %s", exc)
+                continue
+            self._socket.send_multipart([peer, json.dumps(reply).encode()])
+
+    def _answer(self, msg: dict) -> dict:
+        if msg["op"] == "status":
+            return self.status()
+        if msg["op"] == "stop":
+            self.keep = self.keep or msg.get("keep", False)
+            self.stop_reason = DaemonStop("stop requested", EXIT_OK)
+        return {"ok": True, "pid": os.getpid()}
+
+    def read_progress_files(self) -> None:
+        for rank in self._watcher.drain():
+            position = self._watcher.read(rank)
+            if position is None:
+                continue
+            try:
+                self.move_position(rank, *position)
+            except control.BadMessage as exc:
+                log.warning("ignored progress file of rank %d: %s", rank, exc)
+
+    def status(self) -> dict:
+        now = time.monotonic()
+        size = self.layout.size
+        fs_bytes = 0
+        for folder in (self.paths.batch_dir, self.paths.tmp_dir):
+            with os.scandir(folder) as entries:
+                for e in entries:
+                    try:
+                        fs_bytes += e.stat().st_size
+                    except FileNotFoundError:
+                        pass
+        ranks = []
+        for r, state in enumerate(self.scheduler.ranks):
+            epoch, step = self.plan.unlinear(state.position)
+            last = self._last_report.get(r)
+            ranks.append(
+                {
+                    "rank": r,
+                    "epoch": epoch,
+                    "step": step,
+                    "ready": len(state.ready),
+                    "in_flight": len(state.in_flight),
+                    "consumed": state.consumed,
+                    "last_report_s_ago": None if last is None else round(now - last, 3),
+                }
+            )
+        produced_per_s = self._produce_rate.per_second(now)
+        consumed_per_s = self._consume_rate.per_second(now)
+        return {
+            "job": self.paths.name,
+            "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started_at, 1),
+            "batches_per_epoch": self.plan.batches_per_epoch,
+            "buffer": {
+                "bound_bytes": self.config.buffer_bytes,
+                "used_bytes": self.scheduler.held * size,
+                "files_bytes": fs_bytes,
+                "peak_bytes": self.peak_bytes,
+                "batch_bytes": size,
+                "window_per_rank": self.scheduler.window,
+            },
+            "ranks": ranks,
+            "workers": {
+                "count": len(self.workers),
+                "busy": sum(s.task is not None for s in self.workers),
+                "restarts": len(self._restarts),
+            },
+            "rates": {
+                "produced_batches_per_s": round(produced_per_s, 2),
+                "consumed_batches_per_s": round(consumed_per_s, 2),
+                "produced_images_per_s": round(produced_per_s * self.config.batch_size, 1),
+                "consumed_images_per_s": round(consumed_per_s * self.config.batch_size, 1),
+            },
+            "totals": {"produced": self.produced, "deleted": self.deleted, "bad_messages": self.bad_messages},
+        }
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def handle_signal(self, signum: int, frame) -> None:
+        self._signals.append(signum)  # the loop acts on it
+
+    def run(self) -> int:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self.handle_signal)
+        try:
+            while self.stop_reason is None:
+                if self._signals:
+                    log.info("signal %d: stopping", self._signals.popleft())
+                    self.stop_reason = DaemonStop("signal", EXIT_OK)
+                    break
+                poller = zmq.Poller()
+                poller.register(self._socket, zmq.POLLIN)
+                for slot in self.workers:
+                    poller.register(slot.conn.fileno(), zmq.POLLIN)
+                    poller.register(slot.process.sentinel, zmq.POLLIN)
+                poller.poll(_LOOP_TICK_MS)
+                self.handle_control()
+                for slot in self.workers:
+                    self.collect_results(slot)
+                self.reap_workers()
+                self.read_progress_files()
+                self.assign_tasks()
+        except DaemonStop as stop:
+            self.stop_reason = stop
+        except Exception as exc:  # a bug: log it fully, stop cleanly
+            log.exception("internal error")
+            self.stop_reason = DaemonStop(f"internal error: {exc!r}; see {self.paths.log}", 70)
+        self.shutdown()
+        if self.stop_reason.exit_code:
+            log.error("stopped: %s", self.stop_reason)
+        return self.stop_reason.exit_code
+
+    # -- stopping ------------------------------------------------------------------------
+
+    def _halt_workers(self) -> None:
+        """Ask workers to stop, wait up to the deadline, then kill what is left."""
+        for slot in self.workers:
+            try:
+                slot.conn.send_bytes(b'{"op": "stop"}')
+            except OSError:
+                pass
+        deadline = time.monotonic() + _WORKER_STOP_TIMEOUT_S
+        for slot in self.workers:
+            slot.process.join(max(0.0, deadline - time.monotonic()))
+            if slot.process.is_alive():
+                log.warning("worker pid %d did not stop in time; killing it", slot.process.pid)
+                slot.process.kill()
+                slot.process.join(2.0)
+            slot.conn.close()
+        self.workers = []
+
+    def _close_io(self) -> None:
+        if self._watcher is not None:
+            self._watcher.stop()
+        if self._socket is not None:
+            self._socket.close(linger=0)
+        self._context.term()
+
+    def shutdown(self) -> None:
+        self._halt_workers()
+        self._close_io()
+        log.info(
+            "stopped (produced %d, deleted %d, peak %s)", self.produced, self.deleted, format_size(self.peak_bytes)
+        )
+        if self.keep:
+            self.paths.manifest.unlink(missing_ok=True)
+            self.paths.socket.unlink(missing_ok=True)
+        else:
+            self.jobdir.remove()
+        self.jobdir.release()
+
+
+def _log_to(path) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    handler = logging.StreamHandler(os.fdopen(fd, "a", buffering=1))
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)

@@ -1,0 +1,64 @@
+"""Intake of progress files: ``<jobdir>/progress/rank-<r>`` holds ``<epoch> <step>``.
+
+A trainer in any language can report progress by rewriting that file atomically (write
+a temporary file, rename it over). watchdog watches the folder from its own thread; the
+handler only queues the rank, and the master's loop reads and applies the file.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+
+from watchdog.events import FileSystemEventHandler
+from watchdog.observers import Observer
+
+from prefetchd_client.layout import parse_progress, parse_progress_name
+
+
+class _QueueRank(FileSystemEventHandler):
+    def __init__(self, changed: queue.SimpleQueue):
+        self._changed = changed
+
+    def on_any_event(self, event) -> None:
+        if event.is_directory or event.event_type not in ("created", "modified", "moved", "closed"):
+            return
+        path = getattr(event, "dest_path", "") or event.src_path
+        rank = parse_progress_name(os.path.basename(os.fsdecode(path)))
+        if rank is not None:
+            self._changed.put(rank)
+
+
+class ProgressWatcher:
+    def __init__(self, folder: str):
+        self.folder = folder
+        self.changed: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._observer = Observer()
+        self._observer.schedule(_QueueRank(self.changed), folder, recursive=False)
+
+    def start(self) -> None:
+        self._observer.start()
+        for name in os.listdir(self.folder):  # files written before we watched
+            rank = parse_progress_name(name)
+            if rank is not None:
+                self.changed.put(rank)
+
+    def drain(self) -> set[int]:
+        ranks = set()
+        while True:
+            try:
+                ranks.add(self.changed.get_nowait())
+            except queue.Empty:
+                return ranks
+
+    def read(self, rank: int) -> tuple[int, int] | None:
+        """The position in rank's file, or None if it vanished or is malformed."""
+        try:
+            with open(os.path.join(self.folder, f"rank-{rank}"), "rb") as f:
+                return parse_progress(f.read(64).decode("ascii", "replace"))
+        except (OSError, ValueError):
+            return None
+
+    def stop(self) -> None:
+        self._observer.stop()
+        self._observer.join(timeout=5)

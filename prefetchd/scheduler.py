@@ -1,0 +1,90 @@
+"""Scheduling decisions: what to produce next and what to delete. Pure: no I/O, no clock.
+
+Each rank reads its batches in order, across epochs; batch ``i`` of a rank is its linear
+index (``epoch * batches_per_epoch + step``). A rank's *position* is the next batch it will
+read. Its *window* is ``[position, position + window)``, where ``window`` is the byte bound
+divided by the batch size, shared equally between ranks.
+
+- Produce: the missing batch nearest to its rank's position, over all ranks (the most
+  urgent first), while the buffer holds fewer than ``capacity`` batches (ready or being
+  written): the byte bound is never exceeded, not even during a seek.
+- Delete: every ready batch outside its rank's window: behind the position (consumed) or,
+  after a backward seek, too far ahead. A paused rank's window stays as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RankState:
+    position: int = 0
+    ready: set[int] = field(default_factory=set)
+    in_flight: set[int] = field(default_factory=set)
+    consumed: int = 0  # batches deleted because the rank passed them
+
+
+class Scheduler:
+    def __init__(self, world_size: int, capacity: int):
+        if capacity < world_size:
+            raise ValueError(f"capacity {capacity} batches is less than one per rank ({world_size} ranks)")
+        self.capacity = capacity
+        self.window = capacity // world_size
+        self.ranks = [RankState() for _ in range(world_size)]
+
+    @property
+    def held(self) -> int:
+        """Batches that occupy the buffer: ready or being written."""
+        return sum(len(r.ready) + len(r.in_flight) for r in self.ranks)
+
+    def _in_window(self, rank: int, index: int) -> bool:
+        pos = self.ranks[rank].position
+        return pos <= index < pos + self.window
+
+    def move_position(self, rank: int, index: int) -> list[int]:
+        """Record that ``rank`` will read ``index`` next; returns ready batches to delete."""
+        state = self.ranks[rank]
+        if index > state.position:
+            state.consumed += sum(1 for i in state.ready if state.position <= i < index)
+        state.position = index
+        doomed = sorted(i for i in state.ready if not self._in_window(rank, i))
+        state.ready.difference_update(doomed)
+        return doomed
+
+    def next_task(self) -> tuple[int, int] | None:
+        """(rank, index) of the most urgent missing batch, or None when full or all windows are full."""
+        if self.held >= self.capacity:
+            return None
+        best = None
+        for rank, state in enumerate(self.ranks):
+            for distance in range(self.window):
+                index = state.position + distance
+                if index not in state.ready and index not in state.in_flight:
+                    if best is None or distance < best[0]:
+                        best = (distance, rank, index)
+                    break
+        return None if best is None else (best[1], best[2])
+
+    def task_started(self, rank: int, index: int) -> None:
+        self.ranks[rank].in_flight.add(index)
+
+    def task_finished(self, rank: int, index: int) -> bool:
+        """The batch is published; True if it stays, False if it must be deleted (left its window)."""
+        state = self.ranks[rank]
+        state.in_flight.discard(index)
+        if self._in_window(rank, index):
+            state.ready.add(index)
+            return True
+        return False
+
+    def task_abandoned(self, rank: int, index: int) -> None:
+        """The batch was not produced (its worker died): it becomes missing again."""
+        self.ranks[rank].in_flight.discard(index)
+
+    def adopt(self, rank: int, index: int) -> bool:
+        """A batch found on disk at start-up; True if it is kept."""
+        if self._in_window(rank, index) and self.held < self.capacity:
+            self.ranks[rank].ready.add(index)
+            return True
+        return False

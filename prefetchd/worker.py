@@ -1,0 +1,58 @@
+"""The worker process: receives batch tasks from the master, produces them, reports back.
+
+Started with ``spawn`` (no inherited locks, sockets or threads), its entry point takes one
+small JSON spec. Messages on the pipe are JSON in both directions:
+
+    master -> worker   {"op": "produce", "epoch": E, "step": K, "rank": R}  |  {"op": "stop"}
+    worker -> master   {"op": "ready", "fields": [...]}  |  {"op": "boot_failed", "error": "..."}
+                       {"op": "done", "epoch", "step", "rank", "published": bool}
+                       {"op": "failed", "epoch", "step", "rank", "error": "...", "sample": bool}
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import traceback
+
+from .producer import BatchProducer, ProducerSpec, SampleError
+
+_PARENT_CHECK_S = 1.0
+
+
+def _send(conn, msg: dict) -> None:
+    conn.send_bytes(json.dumps(msg).encode())
+
+
+def worker_main(spec_json: str, conn) -> None:
+    # Ctrl-C in a foreground daemon reaches the whole process group; the master alone
+    # decides how workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+    try:
+        producer = BatchProducer(ProducerSpec(**json.loads(spec_json)))
+    except Exception:
+        _send(conn, {"op": "boot_failed", "error": traceback.format_exc(limit=-4)})
+        return
+    _send(conn, {"op": "ready", "fields": [f.to_json() for f in producer.layout.fields]})
+    while True:
+        if not conn.poll(_PARENT_CHECK_S):
+            if os.getppid() != parent:  # the master died: nobody will collect our work
+                return
+            continue
+        try:
+            task = json.loads(conn.recv_bytes())
+        except EOFError:
+            return
+        if task["op"] == "stop":
+            return
+        e, k, r = task["epoch"], task["step"], task["rank"]
+        try:
+            published = producer.produce(e, k, r)
+            _send(conn, {"op": "done", "epoch": e, "step": k, "rank": r, "published": published})
+        except SampleError as exc:
+            _send(conn, {"op": "failed", "epoch": e, "step": k, "rank": r, "error": str(exc), "sample": True})
+        except Exception:
+            error = traceback.format_exc(limit=-4)
+            _send(conn, {"op": "failed", "epoch": e, "step": k, "rank": r, "error": error, "sample": False})

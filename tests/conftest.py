@@ -1,0 +1,134 @@
+"""Shared fixtures: real JPEG folders, a private job root on the real tmpfs, and teardown
+that stops every daemon a test started (by its pid) and checks nothing is left behind."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from prefetchd.daemon import stop_job
+from prefetchd.datagen import make_image_folder
+from prefetchd_client.layout import JobPaths, daemon_alive, read_manifest
+
+SHM = "/dev/shm"
+
+
+@pytest.fixture(scope="session")
+def jpeg_folder(tmp_path_factory) -> Path:
+    """4 classes x 12 real JPEGs of 64-160 px."""
+    return make_image_folder(tmp_path_factory.mktemp("data") / "train", classes=4, per_class=12, size=(64, 160))
+
+
+@pytest.fixture
+def job_root(monkeypatch) -> Path:
+    root = Path(tempfile.mkdtemp(prefix="prefetchd-test-", dir=SHM))
+    monkeypatch.setenv("PREFETCHD_ROOT", str(root))
+    yield root
+    # Stop what the test started (by the pids in its manifests) and prove it is all gone.
+    for job in root.iterdir() if root.exists() else []:
+        paths = JobPaths(job)
+        if daemon_alive(paths):
+            pids = daemon_family(paths)
+            stop_job(paths, timeout_s=5)
+            wait_pids_gone(pids)
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def daemon_family(paths: JobPaths) -> list[int]:
+    try:
+        master = psutil.Process(read_manifest(paths)["pid"])
+        return [master.pid] + [c.pid for c in master.children(recursive=True)]
+    except (OSError, ValueError, KeyError, psutil.Error):
+        return []
+
+
+def wait_pids_gone(pids: list[int], timeout_s: float = 10.0) -> None:
+    _, alive = psutil.wait_procs([p for p in map(_proc, pids) if p], timeout=timeout_s)
+    assert not alive, f"processes still alive: {[p.pid for p in alive]}"
+
+
+def _proc(pid: int):
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return None
+
+
+def write_config(
+    folder: Path,
+    data: Path | str,
+    *,
+    name: str = "job",
+    batch_size: int = 4,
+    world_size: int = 1,
+    buffer: str = "16M",
+    workers: int = 1,
+    seed: int = 0,
+    size: int = 32,
+    extra: str = "",
+) -> Path:
+    path = folder / f"{name}.toml"
+    path.write_text(
+        textwrap.dedent(f"""\
+        [job]
+        name = "{name}"
+        seed = {seed}
+        world_size = {world_size}
+        batch_size = {batch_size}
+
+        [daemon]
+        buffer = "{buffer}"
+        workers = {workers}
+
+        [[source]]
+        kind = "image_folder"
+        root = "{data}"
+
+        [[transform]]
+        op = "random_resized_crop"
+        size = {size}
+
+        [[transform]]
+        op = "hflip"
+        """)
+        + extra
+    )
+    return path
+
+
+def cli(*args: str, timeout: float = 60, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the real `prefetchd` command in a subprocess."""
+    return subprocess.run(
+        [sys.executable, "-m", "prefetchd", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def start_job(config: Path, *flags: str) -> JobPaths:
+    result = cli("start", str(config), *flags)
+    assert result.returncode == 0, result.stderr
+    job_dir = next(line.split(": ", 1)[1] for line in result.stdout.splitlines() if line.startswith("job dir:"))
+    return JobPaths(Path(job_dir))
+
+
+def wait_until(condition, timeout_s: float = 10.0, interval_s: float = 0.02, what: str = "condition"):
+    """Poll ``condition`` until it returns something truthy; fail after the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = condition()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")

@@ -1,0 +1,110 @@
+"""Config validation: every mistake gets a message naming the key and the fix."""
+
+from pathlib import Path
+
+import pytest
+
+from prefetchd.config import build_config, load_config
+from prefetchd.errors import ConfigError
+from prefetchd.sizes import parse_size
+
+BASE = {"source": [{"kind": "image_folder", "root": "/data"}], "transform": [{"op": "center_crop", "size": 8}]}
+
+
+def build(raw=None, **overrides):
+    return build_config(BASE | (raw or {}), base=Path("/cfg"), default_name="x", overrides=overrides)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("0", 0),
+        ("1024", 1024),
+        ("30G", 30 << 30),
+        ("1.5K", 1536),
+        ("512m", 512 << 20),
+        ("2T", 2 << 40),
+        ("4GiB", 4 << 30),
+        ("8 MB", 8 << 20),
+    ],
+)
+def test_sizes_are_powers_of_1024(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "G", "30X", "-1G", "1e9", "thirty"])
+def test_bad_sizes_say_what_is_accepted(text):
+    with pytest.raises(ValueError, match="K, M, G or T"):
+        parse_size(text)
+
+
+def test_defaults_and_overrides():
+    cfg = build({"job": {"batch_size": 8, "world_size": 2}}, batch_size=16, buffer="2G", seed=5)
+    assert (cfg.name, cfg.batch_size, cfg.world_size, cfg.seed, cfg.drop_last) == ("x", 16, 2, 5, True)
+    assert cfg.buffer_bytes == 2 << 30
+    assert cfg.sources[0]["root"] == "/data"
+
+
+def test_relative_paths_resolve_against_the_config_folder():
+    cfg = build({"source": [{"kind": "file_list", "path": "lists/train.txt"}]})
+    assert cfg.sources[0]["path"] == "/cfg/lists/train.txt"
+
+
+def test_data_flag_replaces_the_source_root(tmp_path):
+    cfg = build(data=str(tmp_path))
+    assert cfg.sources[0]["root"] == str(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "raw, overrides, message",
+    [
+        ({"jobs": {}}, {}, "unknown key 'jobs'"),
+        ({"job": {"batchsize": 3}}, {}, r"\[job\]: unknown key 'batchsize'; known keys: batch_size"),
+        ({"job": {"batch_size": "8"}}, {}, r"\[job\] batch_size must be int"),
+        ({"job": {"world_size": True}}, {}, r"\[job\] world_size must be int"),
+        ({}, {"batch_size": 0}, "must be at least 1"),
+        ({}, {"buffer": "lots"}, r"--buffer: cannot read 'lots' as a size"),
+        ({}, {"workers": 0}, "--workers must be at least 1"),
+        ({}, {"name": "../etc"}, "invalid job name"),
+        ({"source": []}, {}, "no data: add a \\[\\[source\\]\\]"),
+        ({"source": {"kind": "image_folder"}}, {}, r"write \[\[source\]\]"),
+        ({"source": [{"kind": "s3"}]}, {}, "kind must be one of file_list, image_folder"),
+        ({"source": [{"kind": "image_folder"}]}, {}, "needs root"),
+        ({"source": [{"kind": "image_folder", "root": "/d", "weight": 1}]}, {}, "unknown key 'weight'"),
+        ({"transform": [{"op": "blur"}]}, {}, "unknown transform op 'blur'"),
+        ({"transform": [{"op": "random_crop", "sise": 3}]}, {}, "unknown key 'sise'"),
+        ({"transform": [{"op": "hflip"}]}, {}, "fixed"),
+        ({"pipeline": {"callable": "nocolon"}}, {}, "package.module:function"),
+        ({"pipeline": {"callable": "a:b", "extra": 1}}, {}, "unknown key 'extra'"),
+    ],
+)
+def test_invalid_configs_name_the_problem(raw, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        build(raw, **overrides)
+
+
+def test_config_file_errors(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[job\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(bad)
+
+
+def test_shipped_configs_are_valid():
+    root = Path(__file__).parent.parent / "configs"
+    imagenet = load_config(root / "imagenet.toml")
+    assert [t["op"] for t in imagenet.transforms] == ["resize_short", "random_crop", "hflip", "color_jitter"]
+    assert imagenet.transforms[0] == {"op": "resize_short", "min": 256, "max": 480}
+    demo = load_config(root / "demo.toml")
+    from prefetchd.demo import DEMO_TRANSFORMS
+
+    assert list(demo.transforms) == DEMO_TRANSFORMS
+
+
+def test_plan_hash_changes_with_what_decides_content():
+    a = build()
+    assert a.plan_hash("d") == build(buffer="9G", workers=7).plan_hash("d")  # not content
+    assert a.plan_hash("d") != build(seed=1).plan_hash("d")
+    assert a.plan_hash("d") != a.plan_hash("other data")

@@ -1,0 +1,260 @@
+"""A real daemon on the real tmpfs, real worker processes, real ZeroMQ, real JPEG files."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from prefetchd import control
+from prefetchd.plan import Plan
+from prefetchd_client import DaemonDied, JobNotRunning, PlanMismatch, PrefetchLoader
+from prefetchd_client.layout import daemon_alive, parse_batch_name, read_manifest, write_progress
+
+from .conftest import cli, daemon_family, start_job, wait_pids_gone, wait_until, write_config
+
+pytestmark = pytest.mark.timeout(120)
+
+READER = textwrap.dedent("""
+    import json, sys
+    from prefetchd_client import PrefetchLoader
+    job, rank, world, epochs = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    loader = PrefetchLoader(job, rank=rank, world_size=world, timeout=60, as_tensors=False)
+    out = []
+    for epoch in range(epochs):
+        out.append([b["index"].tolist() for b in loader])
+    loader.close()
+    print(json.dumps(out))
+""")
+
+
+def status(paths) -> dict:
+    reply = control.request(paths.endpoint, {"op": "status"})
+    assert reply is not None, "daemon did not answer status"
+    return reply
+
+
+def batch_files(paths) -> list[tuple[int, int, int]]:
+    return sorted(filter(None, map(parse_batch_name, os.listdir(paths.batch_dir))))
+
+
+def test_two_ranks_read_two_epochs_disjoint_and_within_the_bound(tmp_path, jpeg_folder, job_root):
+    # 48 images, 2 ranks x 4 = 6 steps per epoch; a batch of 4x32x32x3 is ~16 KiB: the
+    # 64 KiB... bound below holds 3 batches per rank, so the daemon must delete to go on.
+    cfg = write_config(tmp_path, jpeg_folder, world_size=2, batch_size=4, buffer="120K", workers=1)
+    paths = start_job(cfg)
+    manifest = read_manifest(paths)
+    bound, batch_bytes = manifest["buffer_bytes"], manifest["batch_bytes"]
+    assert bound // batch_bytes < 2 * manifest["batches_per_epoch"], "the bound must force deletion"
+    readers = [
+        subprocess.Popen([sys.executable, "-c", READER, "job", str(r), "2", "2"], stdout=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    peak_files = 0
+    while any(p.poll() is None for p in readers):  # sample the real bytes on the tmpfs meanwhile
+        used = 0
+        for folder in (paths.batch_dir, paths.tmp_dir):
+            for name in os.listdir(folder):
+                try:
+                    used += os.stat(folder / name).st_size
+                except FileNotFoundError:
+                    pass
+        peak_files = max(peak_files, used)
+        time.sleep(0.002)
+    outs = [json.loads(p.communicate(timeout=60)[0]) for p in readers]
+    assert all(p.returncode == 0 for p in readers)
+    assert 0 < peak_files <= bound
+    s = status(paths)
+    assert s["buffer"]["peak_bytes"] <= bound
+    plan = Plan(48, 2, 4, seed=0)
+    for epoch in range(2):
+        ranks = [sum(outs[r][epoch], []) for r in range(2)]
+        assert len(ranks[0]) == len(ranks[1]) == 24
+        assert not set(ranks[0]) & set(ranks[1]), "ranks overlap"
+        for r in range(2):  # exactly the plan, in order
+            expected = [plan.sample_ids(epoch, k, r).tolist() for k in range(plan.batches_per_epoch)]
+            assert outs[r][epoch] == expected
+    # Both ranks finished epoch 1: everything before epoch 2 is deleted.
+    wait_until(lambda: all(e >= 2 for e, _, _ in batch_files(paths)), what="consumed batches deleted")
+    assert s["totals"]["deleted"] >= 2 * 12 - 2 * (bound // batch_bytes)
+    assert [(r["epoch"], r["step"]) for r in status(paths)["ranks"]] == [(2, 0), (2, 0)]
+
+
+def test_progress_file_trainer_gets_deletion_and_refill(tmp_path, jpeg_folder, job_root):
+    """A trainer in any language: it reads files by name and writes progress/rank-0 only."""
+    cfg = write_config(tmp_path, jpeg_folder, batch_size=4, buffer="64K")
+    paths = start_job(cfg)
+    window = read_manifest(paths)["window_per_rank"]
+    wait_until(lambda: len(batch_files(paths)) == window, what="window filled")
+    assert batch_files(paths)[0] == (0, 0, 0)
+    write_progress(paths.progress(0), 0, 3)  # batches 0..2 consumed
+    wait_until(
+        lambda: batch_files(paths)[0] == (0, 3, 0) and len(batch_files(paths)) == window,
+        what="deletion and refill after a progress file",
+    )
+    write_progress(paths.progress(0), 1, 2)  # across the epoch boundary (12 batches per epoch)
+    wait_until(lambda: batch_files(paths)[0] == (1, 2, 0), what="refill in the next epoch")
+    assert status(paths)["ranks"][0]["epoch"] == 1
+
+
+def test_batches_are_identical_for_any_worker_count(tmp_path, jpeg_folder, job_root):
+    images = {}
+    for workers in (1, 2):
+        cfg = write_config(tmp_path, jpeg_folder, name=f"w{workers}", batch_size=6, workers=workers, seed=11)
+        start_job(cfg)
+        loader = PrefetchLoader(f"w{workers}", as_tensors=False, timeout=60)
+        images[workers] = [b["image"].copy() for b in loader]
+        loader.close()
+        assert cli("stop", f"w{workers}").returncode == 0
+    assert len(images[1]) == 8
+    assert all(np.array_equal(a, b) for a, b in zip(images[1], images[2], strict=True))
+    assert not np.array_equal(images[1][0], images[1][1])
+
+
+def test_state_dict_resumes_at_the_exact_batch(tmp_path, jpeg_folder, job_root):
+    start_job(write_config(tmp_path, jpeg_folder, batch_size=4))
+    loader = PrefetchLoader("job", as_tensors=False)
+    assert len(loader) == 12
+    reference = [b["index"].tolist() for b in loader] + [b["index"].tolist() for b in loader]
+    loader = PrefetchLoader("job", as_tensors=False)
+    it = iter(loader)
+    for _ in range(5):
+        next(it)
+    state = json.loads(json.dumps(loader.state_dict()))
+    assert state["epoch"] == 0 and state["samples_consumed"] == 20
+    resumed = PrefetchLoader("job", as_tensors=False)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(0)  # the usual call at the top of the epoch keeps the mid-epoch position
+    got = [b["index"].tolist() for b in resumed] + [b["index"].tolist() for b in resumed]
+    assert got == reference[5:]
+    bad = dict(state, config_hash="0" * 16)
+    with pytest.raises(PlanMismatch, match="config_hash: state has '0000000000000000'"):
+        resumed.load_state_dict(bad)
+
+
+def test_tensors_when_torch_is_present(tmp_path, jpeg_folder, job_root):
+    torch = pytest.importorskip("torch")
+    start_job(write_config(tmp_path, jpeg_folder, batch_size=4, size=24))
+    batch = next(iter(PrefetchLoader("job")))
+    assert batch["image"].dtype == torch.uint8 and batch["image"].shape == (4, 24, 24, 3)
+    assert batch["label"].dtype == torch.int64 and batch["index"].dtype == torch.int64
+
+
+def test_status_json_and_stop_removes_the_job(tmp_path, jpeg_folder, job_root):
+    paths = start_job(write_config(tmp_path, jpeg_folder))
+    result = cli("status", "job", "--json")
+    assert result.returncode == 0, result.stderr
+    s = json.loads(result.stdout)
+    assert s["state"] == "serving" and s["buffer"]["bound_bytes"] == 16 << 20
+    assert {"rank", "epoch", "step", "ready"} <= set(s["ranks"][0])
+    assert "produced_images_per_s" in s["rates"]
+    text = cli("status").stdout
+    assert "job: serving" in text and "rank" in text
+    pids = daemon_family(paths)  # master, 1 worker, and multiprocessing's resource tracker
+    workers = [p for p in pids[1:] if "spawn_main" in " ".join(psutil.Process(p).cmdline())]
+    assert len(workers) == 1
+    result = cli("stop", "job")
+    assert result.returncode == 0 and "stopped" in result.stdout
+    wait_pids_gone(pids)
+    assert not paths.dir.exists()
+
+
+def test_stop_keep_leaves_the_directory(tmp_path, jpeg_folder, job_root):
+    paths = start_job(write_config(tmp_path, jpeg_folder))
+    assert cli("stop", "job", "--keep").returncode == 0
+    assert paths.batch_dir.exists() and not daemon_alive(paths)
+
+
+def test_second_daemon_is_refused_and_does_not_disturb_the_first(tmp_path, jpeg_folder, job_root):
+    cfg = write_config(tmp_path, jpeg_folder)
+    paths = start_job(cfg)
+    before = read_manifest(paths)
+    result = cli("start", str(cfg))
+    assert result.returncode != 0
+    assert "already running" in result.stderr and f"pid {before['pid']}" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert read_manifest(paths) == before and paths.socket.exists()
+    assert status(paths)["pid"] == before["pid"]
+    assert len(next(iter(PrefetchLoader("job", as_tensors=False)))["index"]) == 4
+
+
+def test_client_for_a_job_that_is_not_running(job_root):
+    started = time.monotonic()
+    with pytest.raises(JobNotRunning, match="prefetchd start"):
+        PrefetchLoader("nothing-here")
+    assert time.monotonic() - started < 3
+
+
+def test_client_with_the_wrong_world_size_or_rank(tmp_path, jpeg_folder, job_root, monkeypatch):
+    start_job(write_config(tmp_path, jpeg_folder, world_size=2))
+    with pytest.raises(PlanMismatch, match="world size 3, .* world_size = 2"):
+        PrefetchLoader("job", rank=0, world_size=3)
+    with pytest.raises(PlanMismatch, match="rank 2 is outside"):
+        PrefetchLoader("job", rank=2, world_size=2)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert PrefetchLoader("job").rank == 1
+
+
+def test_daemon_death_while_a_client_waits_raises_within_the_timeout(tmp_path, jpeg_folder, job_root):
+    paths = start_job(write_config(tmp_path, jpeg_folder))
+    pids = daemon_family(paths)
+    master = pids[0]
+    os.kill(master, signal.SIGSTOP)  # nothing more gets scheduled
+    loader = PrefetchLoader("job", timeout=30, as_tensors=False)
+    loader.load_state_dict({**loader.state_dict(), "epoch": 40})  # a batch that does not exist yet
+    os.kill(master, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(DaemonDied, match="stopped while rank 0 waited"):
+        next(iter(loader))
+    assert time.monotonic() - started < 5
+    wait_pids_gone(pids)  # the workers notice their master is gone and exit
+    assert cli("stop", "job").returncode == 0  # cleans the stale directory
+    assert not paths.dir.exists()
+
+
+def test_user_pipeline_callable(tmp_path, jpeg_folder, job_root):
+    (tmp_path / "mypipe.py").write_text(
+        textwrap.dedent("""
+        import numpy as np
+        def make(source, rng):
+            return {"feature": np.full((5,), source["index"], np.float32) + rng.random(5, dtype=np.float32),
+                    "size": np.int32(len(source["path"]))}
+    """)
+    )
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        f'[job]\nname="cb"\nbatch_size=4\n[[source]]\nkind="image_folder"\nroot="{jpeg_folder}"\n'
+        '[pipeline]\ncallable="mypipe:make"\n'
+    )
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    result = cli("start", str(cfg), "--workers", "1", env=env)
+    assert result.returncode == 0, result.stderr
+    batch = next(iter(PrefetchLoader("cb", as_tensors=False)))
+    assert batch["feature"].shape == (4, 5) and batch["feature"].dtype == np.float32
+    assert np.all(np.floor(batch["feature"][:, 0]) == batch["index"])
+    assert batch["size"].dtype == np.int32
+    assert cli("stop", "cb").returncode == 0
+
+
+def test_worker_that_cannot_start_stops_the_daemon(tmp_path, jpeg_folder, job_root):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        f'[job]\nname="cb"\n[[source]]\nkind="image_folder"\nroot="{jpeg_folder}"\n'
+        '[pipeline]\ncallable="no_such_module_here:make"\n'
+    )
+    started = time.monotonic()
+    result = cli("start", str(cfg), "--workers", "2")
+    assert result.returncode == 5
+    assert "a worker could not start" in result.stderr and "no_such_module_here" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert time.monotonic() - started < 30
+    assert list(job_root.iterdir()) == []

@@ -1,0 +1,77 @@
+"""Scheduling decisions, without processes: urgency, the bound, deletion, pausing, seeking."""
+
+import pytest
+
+from prefetchd.scheduler import Scheduler
+
+
+def drain(s: Scheduler, limit: int = 1000) -> list[tuple[int, int]]:
+    """Start and finish tasks until the scheduler has nothing to do; returns them in order."""
+    done = []
+    while (task := s.next_task()) is not None and len(done) < limit:
+        s.task_started(*task)
+        assert s.task_finished(*task)
+        done.append(task)
+    return done
+
+
+def test_fills_most_urgent_first_and_stops_at_capacity():
+    s = Scheduler(world_size=2, capacity=6)
+    order = drain(s)
+    assert order == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
+    assert s.held == 6 and s.next_task() is None
+
+
+def test_consumed_batches_are_deleted_and_refilled_across_epochs():
+    s = Scheduler(world_size=1, capacity=3)
+    drain(s)
+    assert s.move_position(0, 2) == [0, 1]
+    assert drain(s) == [(0, 3), (0, 4)]
+    assert s.ranks[0].consumed == 2
+
+
+def test_paused_rank_pins_its_window_while_others_go_on():
+    s = Scheduler(world_size=2, capacity=4)
+    drain(s)
+    s.move_position(1, 2)  # rank 0 is paused at 0
+    assert drain(s) == [(1, 2), (1, 3)]
+    assert s.ranks[0].ready == {0, 1}
+
+
+def test_in_flight_counts_against_the_bound():
+    s = Scheduler(world_size=1, capacity=2)
+    a, b = s.next_task(), None
+    s.task_started(*a)
+    b = s.next_task()
+    s.task_started(*b)
+    assert s.next_task() is None  # two in flight fill a capacity of two
+
+
+def test_backward_seek_drops_what_is_now_too_far_ahead():
+    s = Scheduler(world_size=1, capacity=3)
+    s.move_position(0, 10)
+    drain(s)
+    assert s.move_position(0, 8) == [11, 12]
+    assert drain(s) == [(0, 8), (0, 9)]
+
+
+def test_batch_finished_after_its_rank_moved_past_it_is_deleted():
+    s = Scheduler(world_size=1, capacity=2)
+    task = s.next_task()
+    s.task_started(*task)
+    s.move_position(0, 5)
+    assert s.task_finished(*task) is False
+    assert s.held == 0
+
+
+def test_abandoned_task_is_reissued():
+    s = Scheduler(world_size=1, capacity=2)
+    task = s.next_task()
+    s.task_started(*task)
+    s.task_abandoned(*task)
+    assert s.next_task() == task
+
+
+def test_capacity_below_one_batch_per_rank_is_refused():
+    with pytest.raises(ValueError):
+        Scheduler(world_size=4, capacity=3)
