@@ -1,6 +1,6 @@
 """Write a synthetic ImageFolder of real JPEG files, for trying prefetchd without a dataset.
 
-    python scripts/make_jpeg_dataset.py /tmp/fake-imagenet --classes 10 --per-class 100 --min 300 --max 500
+python scripts/make_jpeg_dataset.py /tmp/fake-imagenet --classes 10 --per-class 100 --min 300 --max 500
 """
 
 import argparse

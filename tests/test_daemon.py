@@ -17,7 +17,7 @@ import pytest
 from prefetchd import control
 from prefetchd.plan import Plan
 from prefetchd_client import DaemonDied, JobNotRunning, PlanMismatch, PrefetchLoader
-from prefetchd_client.layout import daemon_alive, parse_batch_name, read_manifest, write_progress
+from prefetchd_client.layout import JobPaths, daemon_alive, parse_batch_name, read_manifest, write_progress
 
 from .conftest import cli, daemon_family, start_job, wait_pids_gone, wait_until, write_config
 
@@ -258,3 +258,46 @@ def test_worker_that_cannot_start_stops_the_daemon(tmp_path, jpeg_folder, job_ro
     assert "Traceback" not in result.stderr
     assert time.monotonic() - started < 30
     assert list(job_root.iterdir()) == []
+
+
+def test_foreground_daemon_stops_cleanly_on_sigint(tmp_path, jpeg_folder, job_root):
+    cfg = write_config(tmp_path, jpeg_folder)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefetchd", "start", str(cfg), "--foreground"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        paths = wait_until(lambda: _serving(job_root / "job"), timeout_s=30, what="foreground daemon serving")
+        pids = daemon_family(paths)
+        assert pids[0] == proc.pid
+        assert len(next(iter(PrefetchLoader("job", as_tensors=False)))["index"]) == 4
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, stderr
+    assert "serving at" in stderr and "Traceback" not in stderr
+    wait_pids_gone(pids)
+    assert not paths.dir.exists()
+
+
+def _serving(job_dir):
+    paths = JobPaths(job_dir)
+    return paths if paths.manifest.exists() and daemon_alive(paths) else None
+
+
+def test_stop_kills_a_daemon_that_does_not_answer(tmp_path, jpeg_folder, job_root):
+    paths = start_job(write_config(tmp_path, jpeg_folder))
+    pids = daemon_family(paths)
+    os.kill(pids[0], signal.SIGSTOP)  # hung: cannot answer or exit
+    started = time.monotonic()
+    result = cli("stop", "job", "--timeout", "1")
+    assert result.returncode == 0, result.stderr
+    assert f"killed pid {pids[0]}" in result.stdout
+    assert time.monotonic() - started < 15
+    wait_pids_gone(pids)
+    assert not paths.dir.exists()
