@@ -48,6 +48,7 @@ def start(
     config: Annotated[Optional[Path], typer.Argument(help="TOML config (see configs/)")] = None,
     buffer: Annotated[Optional[str], typer.Option(help="Byte bound of the buffer, e.g. 30G")] = None,
     workers: Annotated[Optional[int], typer.Option(help="Worker processes [default: cores - 1]")] = None,
+    retain: Annotated[Optional[int], typer.Option(help="Consumed batches kept per rank, for warm restarts [2]")] = None,
     name: Annotated[Optional[str], typer.Option(help="Job name [default: config's, else its file name]")] = None,
     seed: Annotated[Optional[int], typer.Option()] = None,
     world_size: Annotated[Optional[int], typer.Option(help="Trainer ranks that read this job")] = None,
@@ -64,6 +65,7 @@ def start(
     overrides = dict(
         buffer=buffer,
         workers=workers,
+        retain=retain,
         name=name,
         seed=seed,
         world_size=world_size,
@@ -163,6 +165,32 @@ def stop(
     except UserError as exc:
         raise _fail(exc) from None
     out.print(f"job {job}: {outcome}", highlight=False)
+
+
+@app.command()
+def verify(
+    job: Annotated[str, typer.Argument(help="Job name")],
+    epoch: Annotated[int, typer.Option(help="Epoch of the batch")],
+    step: Annotated[int, typer.Option(help="Step of the batch")],
+    rank: Annotated[int, typer.Option(help="Rank of the batch")] = 0,
+    root: RootOpt = None,
+) -> None:
+    """Remake one batch in-process and compare it, byte for byte, with the published one."""
+    from .verify import verify_batch
+
+    try:
+        result = verify_batch(_job_paths(job, root), epoch, step, rank)
+    except UserError as exc:
+        raise _fail(exc) from None
+    if not result["identical"]:
+        err.print(
+            f"[bold red]differs:[/] {result['batch']}: published sha256 {result['published_sha256']}, "
+            f"regenerated {result['regenerated_sha256']}; "
+            f"fields {', '.join(result['differing_fields']) or '(hash only)'}",
+            highlight=False,
+        )
+        raise typer.Exit(1)
+    out.print(f"identical: {result['batch']} sha256 {result['regenerated_sha256']}", highlight=False)
 
 
 @app.command()

@@ -11,6 +11,7 @@ drop_last = true         # false: the last step is padded from the epoch's start
 [daemon]
 buffer = "30G"           # byte bound of the buffer (K, M, G, T = powers of 1024)
 workers = 15             # default: cores - 1, at least 1
+retain = 2               # consumed batches kept per rank: a restart a few steps back is warm
 
 [[source]]
 kind = "image_folder"    # or "file_list" with path = "train.txt" ("path,label" lines)
@@ -43,11 +44,12 @@ from .errors import ConfigError
 from .sizes import parse_size
 
 DEFAULT_BUFFER = "1G"
+DEFAULT_RETAIN = 2  # consumed batches kept per rank, so a restart a few steps back is warm
 # Without a config file: the usual ImageNet training crop.
 DEFAULT_TRANSFORMS = ({"op": "random_resized_crop", "size": 224}, {"op": "hflip"})
 _SECTIONS = {"job", "daemon", "source", "transform", "pipeline"}
 _JOB_KEYS = {"name": str, "seed": int, "world_size": int, "batch_size": int, "drop_last": bool}
-_DAEMON_KEYS = {"buffer": (str, int), "workers": int}
+_DAEMON_KEYS = {"buffer": (str, int), "workers": int, "retain": int}
 _SOURCE_KEYS = {"image_folder": {"kind", "root", "name"}, "file_list": {"kind", "path", "name"}}
 
 
@@ -64,6 +66,7 @@ class Config:
     drop_last: bool = True
     buffer_bytes: int = field(default_factory=lambda: parse_size(DEFAULT_BUFFER))
     workers: int = field(default_factory=default_workers)
+    retain: int = DEFAULT_RETAIN
     sources: tuple[dict, ...] = ()
     transforms: tuple[dict, ...] = ()
     pipeline: str | None = None
@@ -75,11 +78,24 @@ class Config:
     def from_json(cls, d: dict) -> Config:
         return cls(**{**d, "sources": tuple(d["sources"]), "transforms": tuple(d["transforms"])})
 
-    def plan_hash(self, data_fingerprint: str) -> str:
-        """Hash of everything that decides batch content; a resume state must match it."""
-        keys = ("seed", "world_size", "batch_size", "drop_last", "sources", "transforms", "pipeline")
-        plan = {k: getattr(self, k) for k in keys} | {"data": data_fingerprint}
-        return hashlib.sha256(json.dumps(plan, sort_keys=True).encode()).hexdigest()[:16]
+    def content(self, num_samples: int, data_fingerprint: str) -> dict:
+        """What decides which samples an epoch holds and how each is augmented.
+
+        A resume state must match it field by field. World size and batch size are left
+        out: a state taken with one resumes with another (elastic resume).
+        """
+        augment = json.dumps([list(self.transforms), self.pipeline], sort_keys=True).encode()
+        return {
+            "seed": self.seed,
+            "samples": num_samples,
+            "drop_last": self.drop_last,
+            "data": data_fingerprint,
+            "augment": hashlib.sha256(augment).hexdigest()[:16],
+        }
+
+
+def content_hash(content: dict) -> str:
+    return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _typed(value, types, where: str):
@@ -150,6 +166,9 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
     workers = daemon.get("workers", default_workers())
     if workers < 1:
         raise ConfigError(f"[daemon] workers / --workers must be at least 1, got {workers}")
+    retain = daemon.get("retain", DEFAULT_RETAIN)
+    if retain < 0:
+        raise ConfigError(f"[daemon] retain / --retain must be 0 or more, got {retain}")
 
     raw_sources = raw.get("source", [])
     if not isinstance(raw_sources, list):
@@ -186,6 +205,7 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
         drop_last=job.get("drop_last", True),
         buffer_bytes=buffer_bytes,
         workers=workers,
+        retain=retain,
         sources=sources,
         transforms=tuple(specs),
         pipeline=callable_,

@@ -22,11 +22,11 @@ from prefetchd_client.batchfile import BatchLayout, FieldSpec
 from prefetchd_client.layout import JobPaths
 
 from . import control
-from .config import Config
+from .config import Config, content_hash
 from .errors import ConfigError, DataError, JobError
 from .jobdir import JobDir
 from .plan import Plan
-from .producer import ProducerSpec, builtin_fields
+from .producer import PRODUCER_SPEC, ProducerSpec, builtin_fields
 from .progress_watch import ProgressWatcher
 from .scheduler import Scheduler
 from .sizes import format_size
@@ -131,7 +131,8 @@ class Master:
                 f"the data has {len(index)} samples, fewer than one global batch "
                 f"({cfg.world_size} ranks x batch_size {cfg.batch_size}); lower --batch-size or add data"
             )
-        self.config_hash = cfg.plan_hash(index.fingerprint())
+        self.content = cfg.content(len(index), index.fingerprint())
+        self.config_hash = content_hash(self.content)
         self.spec = ProducerSpec(
             job_dir=str(self.paths.dir),
             plan=self.plan.__dict__.copy(),
@@ -139,6 +140,7 @@ class Master:
             pipeline=cfg.pipeline,
             config_hash=self.config_hash,
         )
+        _write_json(self.paths.dir / PRODUCER_SPEC, self.spec.to_json())  # `prefetchd verify` remakes batches
         if cfg.pipeline is None:  # known now: refuse a bad buffer before booting anything
             self._set_layout(builtin_fields(cfg.batch_size, list(cfg.transforms)))
         for _ in range(cfg.workers):
@@ -162,11 +164,13 @@ class Master:
         self.layout = BatchLayout.plan(fields)
         cfg, size = self.config, self.layout.size
         capacity = cfg.buffer_bytes // size
-        if capacity < cfg.world_size:
+        needed = cfg.world_size * (cfg.retain + 1)
+        if capacity < needed:
             raise ConfigError(
                 f"--buffer {format_size(cfg.buffer_bytes)} is smaller than one batch per rank: a batch is "
-                f"{format_size(size)} and there are {cfg.world_size} rank(s); use --buffer "
-                f"{format_size(size * cfg.world_size * 8)} or more (a few hundred batches per rank is typical)"
+                f"{format_size(size)}, and {cfg.world_size} rank(s) x (1 ahead + --retain {cfg.retain}) need "
+                f"{format_size(size * needed)}; use --buffer {format_size(size * cfg.world_size * (cfg.retain + 8))} "
+                "or more (a few hundred batches per rank is typical)"
             )
         stats = os.statvfs(self.paths.dir)
         free = stats.f_bavail * stats.f_frsize
@@ -176,7 +180,7 @@ class Master:
                 f"filesystem of {self.paths.dir.parent}; use a smaller --buffer, another --root, or give the "
                 "container more shared memory (Docker's /dev/shm is 64 MB unless run with --shm-size=32g)"
             )
-        self.scheduler = Scheduler(cfg.world_size, capacity)
+        self.scheduler = Scheduler(cfg.world_size, capacity, cfg.retain)
 
     def _await_first_worker(self) -> list[FieldSpec]:
         """Wait for one worker to boot; its fields are the batch layout (they all compute the same)."""
@@ -207,6 +211,7 @@ class Master:
             "format_version": _FORMAT_VERSION,
             "job": self.paths.name,
             "config_hash": self.config_hash,
+            "config": self.content,
             "num_samples": self.plan.num_samples,
             "batches_per_epoch": self.plan.batches_per_epoch,
             "world_size": cfg.world_size,
@@ -217,16 +222,13 @@ class Master:
             "batch_bytes": self.layout.size,
             "buffer_bytes": cfg.buffer_bytes,
             "window_per_rank": self.scheduler.window,
+            "retain": cfg.retain,
             "workers": cfg.workers,
             "pid": os.getpid(),
             "endpoint": self.paths.endpoint,
             "started_at": self.started_at,
         }
-        tmp = self.paths.dir / ".manifest.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(manifest, f, indent=1)
-        os.replace(tmp, self.paths.manifest)
+        _write_json(self.paths.manifest, manifest)
 
     # -- workers -------------------------------------------------------------------------
 
@@ -438,6 +440,7 @@ class Master:
                 "peak_bytes": self.peak_bytes,
                 "batch_bytes": size,
                 "window_per_rank": self.scheduler.window,
+                "retain_per_rank": self.scheduler.retain,
             },
             "ranks": ranks,
             "workers": {
@@ -528,6 +531,15 @@ class Master:
         else:
             self.jobdir.remove()
         self.jobdir.release()
+
+
+def _write_json(path, data: dict) -> None:
+    """Atomically, 0600: a reader sees the whole file or none."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)
 
 
 def _log_to(path) -> None:

@@ -15,12 +15,14 @@ from pathlib import Path
 
 import numpy as np
 
-from prefetchd_client.batchfile import BatchLayout, BatchWriter, FieldSpec
+from prefetchd_client.batchfile import BatchLayout, BatchWriter, FieldSpec, content_digest
 from prefetchd_client.layout import JobPaths, batch_name
 
 from .plan import Plan
 from .sources import SampleIndex
 from .transforms import ImagePipeline, validate_transforms
+
+PRODUCER_SPEC = "producer.json"  # in the job directory: what workers (and verify) are given
 
 
 class SampleError(Exception):
@@ -103,6 +105,15 @@ class BatchProducer:
             except Exception as exc:
                 raise SampleError(f"sample {sid} ({path}): {type(exc).__name__}: {exc}") from exc
 
+    def meta(self, arrays: dict[str, np.ndarray]) -> dict:
+        return {"config_hash": self.spec.config_hash, "sha256": content_digest(arrays, self.layout.fields)}
+
+    def regenerate(self, epoch: int, step: int, rank: int) -> tuple[dict, dict[str, np.ndarray]]:
+        """Make a batch in memory, as a worker would: (meta, arrays)."""
+        arrays = {f.name: np.zeros(f.shape, f.dtype) for f in self.layout.fields}
+        self.fill(arrays, epoch, step, rank)
+        return self.meta(arrays), arrays
+
     def produce(self, epoch: int, step: int, rank: int) -> bool:
         """Write batch (epoch, step, rank) into the buffer; False if it was already there."""
         name = batch_name(epoch, step, rank)
@@ -110,7 +121,7 @@ class BatchProducer:
         writer = BatchWriter(tmp, self.layout)
         try:
             self.fill(writer.arrays, epoch, step, rank)
-            writer.finish(epoch, step, rank, {"config_hash": self.spec.config_hash})
+            writer.finish(epoch, step, rank, self.meta(writer.arrays))
             try:
                 os.link(tmp, self.paths.batch(epoch, step, rank))
                 return True

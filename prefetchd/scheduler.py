@@ -2,14 +2,16 @@
 
 Each rank reads its batches in order, across epochs; batch ``i`` of a rank is its linear
 index (``epoch * batches_per_epoch + step``). A rank's *position* is the next batch it will
-read. Its *window* is ``[position, position + window)``, where ``window`` is the byte bound
-divided by the batch size, shared equally between ranks.
+read. The byte bound, divided by the batch size, is shared equally between ranks; of each
+rank's share, ``retain`` batches keep what it consumed last (a trainer restarted from a
+checkpoint a few steps back finds them warm) and ``window`` batches lie ahead. A rank keeps
+``[position - retain, position + window)``.
 
 - Produce: the missing batch nearest to its rank's position, over all ranks (the most
   urgent first), while the buffer holds fewer than ``capacity`` batches (ready or being
   written): the byte bound is never exceeded, not even during a seek.
-- Delete: every ready batch outside its rank's window: behind the position (consumed) or,
-  after a backward seek, too far ahead. A paused rank's window stays as it is.
+- Delete: every ready batch outside that range: consumed more than ``retain`` batches ago
+  or, after a backward seek, too far ahead. A paused rank's range stays as it is.
 """
 
 from __future__ import annotations
@@ -26,11 +28,14 @@ class RankState:
 
 
 class Scheduler:
-    def __init__(self, world_size: int, capacity: int):
-        if capacity < world_size:
-            raise ValueError(f"capacity {capacity} batches is less than one per rank ({world_size} ranks)")
+    def __init__(self, world_size: int, capacity: int, retain: int = 0):
+        if capacity // world_size <= retain:
+            raise ValueError(
+                f"capacity {capacity} batches leaves no window ahead for {world_size} ranks retaining {retain}"
+            )
         self.capacity = capacity
-        self.window = capacity // world_size
+        self.retain = retain
+        self.window = capacity // world_size - retain
         self.ranks = [RankState() for _ in range(world_size)]
 
     @property
@@ -40,7 +45,7 @@ class Scheduler:
 
     def _in_window(self, rank: int, index: int) -> bool:
         pos = self.ranks[rank].position
-        return pos <= index < pos + self.window
+        return pos - self.retain <= index < pos + self.window
 
     def move_position(self, rank: int, index: int) -> list[int]:
         """Record that ``rank`` will read ``index`` next; returns ready batches to delete."""
@@ -81,10 +86,3 @@ class Scheduler:
     def task_abandoned(self, rank: int, index: int) -> None:
         """The batch was not produced (its worker died): it becomes missing again."""
         self.ranks[rank].in_flight.discard(index)
-
-    def adopt(self, rank: int, index: int) -> bool:
-        """A batch found on disk at start-up; True if it is kept."""
-        if self._in_window(rank, index) and self.held < self.capacity:
-            self.ranks[rank].ready.add(index)
-            return True
-        return False

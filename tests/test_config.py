@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from prefetchd.config import build_config, load_config
+from prefetchd.config import build_config, content_hash, load_config
 from prefetchd.errors import ConfigError
 from prefetchd.sizes import parse_size
 
@@ -103,8 +103,14 @@ def test_shipped_configs_are_valid():
     assert list(demo.transforms) == DEMO_TRANSFORMS
 
 
-def test_plan_hash_changes_with_what_decides_content():
+def test_content_identity_changes_with_what_decides_content():
     a = build()
-    assert a.plan_hash("d") == build(buffer="9G", workers=7).plan_hash("d")  # not content
-    assert a.plan_hash("d") != build(seed=1).plan_hash("d")
-    assert a.plan_hash("d") != a.plan_hash("other data")
+    same = build(buffer="9G", workers=7, world_size=4, batch_size=3)  # layout, not content
+    assert a.content(10, "d") == same.content(10, "d")
+    assert a.content(10, "d") != build(seed=1).content(10, "d")
+    assert a.content(10, "d") != a.content(10, "other data")
+    assert (
+        a.content(10, "d")["augment"]
+        != build({"transform": [{"op": "center_crop", "size": 9}]}).content(10, "d")["augment"]
+    )
+    assert content_hash(a.content(10, "d")) != content_hash(a.content(11, "d"))

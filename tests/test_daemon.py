@@ -82,8 +82,12 @@ def test_two_ranks_read_two_epochs_disjoint_and_within_the_bound(tmp_path, jpeg_
         for r in range(2):  # exactly the plan, in order
             expected = [plan.sample_ids(epoch, k, r).tolist() for k in range(plan.batches_per_epoch)]
             assert outs[r][epoch] == expected
-    # Both ranks finished epoch 1: everything before epoch 2 is deleted.
-    wait_until(lambda: all(e >= 2 for e, _, _ in batch_files(paths)), what="consumed batches deleted")
+    # Both ranks finished epoch 1: all is deleted but the last `retain` batches of each rank.
+    first_kept = 2 * plan.batches_per_epoch - manifest["retain"]
+    wait_until(
+        lambda: all(plan.linear(e, k) >= first_kept for e, k, _ in batch_files(paths)), what="consumed batches deleted"
+    )
+    assert {(e, k) for e, k, _ in batch_files(paths) if e < 2} == {(1, 4), (1, 5)}
     assert s["totals"]["deleted"] >= 2 * 12 - 2 * (bound // batch_bytes)
     assert [(r["epoch"], r["step"]) for r in status(paths)["ranks"]] == [(2, 0), (2, 0)]
 
@@ -135,9 +139,9 @@ def test_state_dict_resumes_at_the_exact_batch(tmp_path, jpeg_folder, job_root):
     resumed.set_epoch(0)  # the usual call at the top of the epoch keeps the mid-epoch position
     got = [b["index"].tolist() for b in resumed] + [b["index"].tolist() for b in resumed]
     assert got == reference[5:]
-    bad = dict(state, config_hash="0" * 16)
-    with pytest.raises(PlanMismatch, match="config_hash: state has '0000000000000000'"):
-        resumed.load_state_dict(bad)
+    other = dict(state, config_hash="0" * 16, config={**state["config"], "seed": 5})
+    with pytest.raises(PlanMismatch, match="another config \\(seed: state has 5, job has 0\\)"):
+        resumed.load_state_dict(other)
 
 
 def test_tensors_when_torch_is_present(tmp_path, jpeg_folder, job_root):

@@ -75,3 +75,17 @@ def test_abandoned_task_is_reissued():
 def test_capacity_below_one_batch_per_rank_is_refused():
     with pytest.raises(ValueError):
         Scheduler(world_size=4, capacity=3)
+    with pytest.raises(ValueError):
+        Scheduler(world_size=2, capacity=6, retain=3)
+
+
+def test_retained_batches_stay_behind_the_position_within_the_share():
+    s = Scheduler(world_size=1, capacity=5, retain=2)
+    assert s.window == 3
+    assert drain(s) == [(0, 0), (0, 1), (0, 2)]
+    assert s.move_position(0, 1) == []  # batch 0 is retained
+    assert s.move_position(0, 3) == [0]  # 1 and 2 are the two retained
+    assert drain(s) == [(0, 3), (0, 4), (0, 5)]
+    assert s.ranks[0].ready == {1, 2, 3, 4, 5} and s.held == 5
+    assert s.move_position(0, 2) == [5]  # a restart two steps back: 2 is ready, 5 now too far
+    assert s.ranks[0].ready == {1, 2, 3, 4} and s.next_task() is None  # nothing behind is remade

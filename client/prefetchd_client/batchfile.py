@@ -14,7 +14,7 @@ The header is one JSON object::
 
     {"epoch": E, "step": K, "rank": R,
      "fields": [{"name": "image", "dtype": "uint8", "shape": [B, H, W, 3], "offset": 4096}, ...],
-     "meta": {...}}          # free-form, small: config hash, per-batch notes
+     "meta": {"config_hash": "...", "sha256": "..."}}   # small; sha256 of the fields' bytes
 
 A writer reserves a header area of ``data_start - 16`` bytes (a multiple of 4096 with the
 default layout), so the header can be written after the pixels, and the first field is
@@ -30,6 +30,7 @@ inside the header, and an extent (offset + size) within the file; extents do not
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import mmap
@@ -140,6 +141,15 @@ class BatchWriter:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def content_digest(arrays: dict[str, np.ndarray], fields) -> str:
+    """SHA-256 of the fields' bytes in layout order: recorded as ``meta.sha256`` by the daemon,
+    so a regenerated batch can be compared with a published one cheaply."""
+    h = hashlib.sha256()
+    for f in fields:
+        h.update(memoryview(np.ascontiguousarray(arrays[f.name if isinstance(f, FieldSpec) else f["name"]])).cast("B"))
+    return h.hexdigest()
 
 
 def _fail(msg: str) -> BatchFormatError:

@@ -146,27 +146,43 @@ class PrefetchLoader:
         self._report(epoch + 1, 0)
 
     def state_dict(self) -> dict:
-        """Global, JSON-serialisable position: the same on every rank."""
+        """Global, tiny, JSON-serialisable position: the same on every rank.
+
+        ``samples_consumed`` counts samples of the epoch's permutation, not batches, so a
+        state resumes under another world size (elastic resume).
+        """
         return {
             "version": STATE_VERSION,
             "config_hash": self.manifest["config_hash"],
+            "config": self.manifest["config"],
             "epoch": self._epoch,
             "samples_consumed": self._step * self.manifest["global_batch"],
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume at ``state`` from the next ``iter()``; the daemon is told at once."""
-        expected = {"version": STATE_VERSION, "config_hash": self.manifest["config_hash"]}
-        differing = {k: (state.get(k), v) for k, v in expected.items() if state.get(k) != v}
-        if differing:
-            shown = ", ".join(f"{k}: state has {a!r}, job has {b!r}" for k, (a, b) in differing.items())
-            raise PlanMismatch(f"cannot load this state into job {self._paths.name!r}: {shown}")
-        consumed, global_batch = int(state["samples_consumed"]), self.manifest["global_batch"]
-        if consumed % global_batch:
+        """Resume at ``state`` from the next ``iter()``; the daemon is told at once.
+
+        With the same global batch (``world_size * batch_size``) the resumed run yields exactly
+        what an uninterrupted one would, on any world size. With another global batch it
+        resumes at the step holding the first unconsumed sample: fewer than one global batch
+        of that epoch is seen twice, none is skipped.
+        """
+        job = self._paths.name
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            found = state.get("version") if isinstance(state, dict) else type(state).__name__
+            raise PlanMismatch(f"not a prefetchd loader state of version {STATE_VERSION} (found {found!r})")
+        if state.get("config_hash") != self.manifest["config_hash"]:
+            theirs, ours = state.get("config") or {}, self.manifest["config"]
+            differing = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+            shown = "; ".join(f"{k}: state has {theirs.get(k)!r}, job has {ours.get(k)!r}" for k in differing)
             raise PlanMismatch(
-                f"state consumed {consumed} samples, not a multiple of the job's global batch {global_batch}"
+                f"cannot resume job {job!r} from this state: it was taken with another config "
+                f"({shown or 'config_hash'}); start the job with the config the state came from"
             )
-        self._epoch, self._step = int(state["epoch"]), consumed // global_batch
+        epoch, consumed = state.get("epoch"), state.get("samples_consumed")
+        if not all(type(v) is int and v >= 0 for v in (epoch, consumed)):
+            raise PlanMismatch(f"state has a bad position: epoch {epoch!r}, samples_consumed {consumed!r}")
+        self._epoch, self._step = epoch, consumed // self.manifest["global_batch"]
         self._report(self._epoch, self._step)
 
     def close(self) -> None:

@@ -1,0 +1,47 @@
+"""``prefetchd verify``: remake one batch in this process and compare it with the published one.
+
+Determinism made checkable: the batch's content digest (``meta.sha256``) and its bytes
+must equal what the plan yields here, whatever worker made it and however often.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from prefetchd_client.batchfile import map_batch
+from prefetchd_client.layout import JobPaths, read_manifest
+
+from .errors import JobError
+from .producer import PRODUCER_SPEC, BatchProducer, ProducerSpec
+
+
+def verify_batch(paths: JobPaths, epoch: int, step: int, rank: int) -> dict:
+    try:
+        manifest = read_manifest(paths)
+        spec = ProducerSpec(**json.loads((paths.dir / PRODUCER_SPEC).read_text()))
+    except FileNotFoundError:
+        raise JobError(f"no serving job {paths.name!r} under {paths.dir.parent}; start it first") from None
+    if not (0 <= rank < manifest["world_size"] and 0 <= step < manifest["batches_per_epoch"] and epoch >= 0):
+        raise JobError(
+            f"no batch epoch {epoch} step {step} rank {rank} in job {paths.name!r}: steps are "
+            f"0..{manifest['batches_per_epoch'] - 1}, ranks 0..{manifest['world_size'] - 1}"
+        )
+    path = paths.batch(epoch, step, rank)
+    try:
+        header, published = map_batch(path)
+    except FileNotFoundError:
+        raise JobError(
+            f"batch epoch {epoch} step {step} rank {rank} is not in the buffer (consumed, or not produced yet); "
+            f"`prefetchd status {paths.name}` shows each rank's window"
+        ) from None
+    meta, regenerated = BatchProducer(spec).regenerate(epoch, step, rank)
+    differing = sorted(k for k in regenerated if not np.array_equal(regenerated[k], published.get(k)))
+    return {
+        "batch": path.name,
+        "published_sha256": header["meta"].get("sha256"),
+        "regenerated_sha256": meta["sha256"],
+        "differing_fields": differing,
+        "identical": not differing and header["meta"].get("sha256") == meta["sha256"],
+    }
