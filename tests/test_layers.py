@@ -10,8 +10,13 @@ DAEMON_MODULES = ["prefetchd.cli", "prefetchd.daemon", "prefetchd.master", "pref
 
 
 def imported_after(code: str) -> set[str]:
-    out = subprocess.run([sys.executable, "-c", f"{code}\nimport sys; print(' '.join(sys.modules))"],
-                         capture_output=True, text=True, check=True, timeout=60).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", f"{code}\nimport sys; print(' '.join(sys.modules))"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
     return {m.split(".")[0] for m in out.split()}
 
 
