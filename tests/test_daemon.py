@@ -305,3 +305,22 @@ def test_stop_kills_a_daemon_that_does_not_answer(tmp_path, jpeg_folder, job_roo
     assert time.monotonic() - started < 15
     wait_pids_gone(pids)
     assert not paths.dir.exists()
+
+
+def test_verify_regenerates_a_published_batch_bit_for_bit(tmp_path, jpeg_folder, job_root):
+    paths = start_job(write_config(tmp_path, jpeg_folder, workers=2, seed=21))
+    wait_until(lambda: paths.batch(0, 3, 0).exists(), what="batch e0 s3 published")
+    result = cli("verify", "job", "--epoch", "0", "--step", "3")
+    assert result.returncode == 0, result.stderr
+    assert "identical: e000000-s00000003-r0000.batch" in result.stdout
+    missing = cli("verify", "job", "--epoch", "900", "--step", "0")  # beyond the window
+    assert missing.returncode == 4 and "not in the buffer" in missing.stderr
+    outside = cli("verify", "job", "--epoch", "0", "--step", "99")
+    assert outside.returncode == 4 and "steps are 0..11" in outside.stderr
+    # a tampered batch is caught: flip one pixel byte in place
+    path = paths.batch(0, 3, 0)
+    data = bytearray(path.read_bytes())
+    data[-200] ^= 0xFF
+    path.write_bytes(bytes(data))
+    tampered = cli("verify", "job", "--epoch", "0", "--step", "3")
+    assert tampered.returncode == 1 and "differs" in tampered.stderr
