@@ -16,6 +16,11 @@ retain = 2               # consumed batches kept per rank: a restart a few steps
 [[source]]
 kind = "image_folder"    # or "file_list" with path = "train.txt" ("path,label" lines)
 root = "/data/imagenet/train"
+# name = "imagenet"      # with several sources: a weight each mixes them
+# weight = 0.7
+
+[mix]
+epoch = "cycle"          # or "first_exhausted", "all_once" (see prefetchd.plan)
 
 [[transform]]            # in order; see prefetchd.transforms
 op = "random_resized_crop"
@@ -41,16 +46,17 @@ from prefetchd_client.layout import check_job_name
 
 from . import transforms
 from .errors import ConfigError
+from .plan import MIX_RULES
 from .sizes import parse_size
 
 DEFAULT_BUFFER = "1G"
 DEFAULT_RETAIN = 2  # consumed batches kept per rank, so a restart a few steps back is warm
 # Without a config file: the usual ImageNet training crop.
 DEFAULT_TRANSFORMS = ({"op": "random_resized_crop", "size": 224}, {"op": "hflip"})
-_SECTIONS = {"job", "daemon", "source", "transform", "pipeline"}
+_SECTIONS = {"job", "daemon", "source", "transform", "pipeline", "mix"}
 _JOB_KEYS = {"name": str, "seed": int, "world_size": int, "batch_size": int, "drop_last": bool}
 _DAEMON_KEYS = {"buffer": (str, int), "workers": int, "retain": int}
-_SOURCE_KEYS = {"image_folder": {"kind", "root", "name"}, "file_list": {"kind", "path", "name"}}
+_SOURCE_KEYS = {"image_folder": {"kind", "root", "name", "weight"}, "file_list": {"kind", "path", "name", "weight"}}
 
 
 def default_workers() -> int:
@@ -68,6 +74,7 @@ class Config:
     workers: int = field(default_factory=default_workers)
     retain: int = DEFAULT_RETAIN
     sources: tuple[dict, ...] = ()
+    mix: str = "cycle"
     transforms: tuple[dict, ...] = ()
     pipeline: str | None = None
 
@@ -82,7 +89,8 @@ class Config:
         """What decides which samples an epoch holds and how each is augmented.
 
         A resume state must match it field by field. World size and batch size are left
-        out: a state taken with one resumes with another (elastic resume).
+        out: a state taken with one resumes with another (elastic resume); so are the mixing
+        weights and rule, which may change on resume (the new mixture applies from there).
         """
         augment = json.dumps([list(self.transforms), self.pipeline], sort_keys=True).encode()
         return {
@@ -129,7 +137,13 @@ def _check_source(i: int, src, base: Path) -> dict:
     key = "root" if kind == "image_folder" else "path"
     if not isinstance(src.get(key), str) or not src[key]:
         raise ConfigError(f'{where} ({kind}) needs {key} = "..." (or pass --data PATH)')
-    return {**src, key: _resolve(src[key], base)}
+    weight = src.get("weight")
+    if weight is not None and (isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0):
+        raise ConfigError(f"{where}: weight must be a positive number, got {weight!r}")
+    name = src.get("name", f"source{i}")
+    if not isinstance(name, str) or not name:
+        raise ConfigError(f"{where}: name must be a non-empty string, got {name!r}")
+    return {**src, "name": name, key: _resolve(src[key], base)}
 
 
 def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | None = None) -> Config:
@@ -182,7 +196,19 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
         base_for_data = Path.cwd()
     if not raw_sources:
         raise ConfigError("no data: add a [[source]] table to the config, or pass --data FOLDER")
-    sources = tuple(_check_source(i, s, base_for_data if data is not None else base) for i, s in enumerate(raw_sources))
+    source_base = base_for_data if data is not None else base
+    sources = tuple(_check_source(i, s, source_base) for i, s in enumerate(raw_sources))
+    names = [s["name"] for s in sources]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"[[source]] names must be unique, got {names}")
+    weighted = [s.get("weight") is not None for s in sources]
+    if any(weighted) and not all(weighted):
+        raise ConfigError("give every [[source]] a weight, or none (then they are concatenated)")
+    mix_table = raw.get("mix", {})
+    _check_keys(mix_table, {"epoch"}, "[mix]")
+    mix = mix_table.get("epoch", "cycle")
+    if mix not in MIX_RULES:
+        raise ConfigError(f"[mix] epoch must be one of {', '.join(MIX_RULES)}, got {mix!r}")
 
     pipeline = raw.get("pipeline", {})
     _check_keys(pipeline, {"callable"}, "[pipeline]")
@@ -207,6 +233,7 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
         workers=workers,
         retain=retain,
         sources=sources,
+        mix=mix,
         transforms=tuple(specs),
         pipeline=callable_,
     )

@@ -123,19 +123,23 @@ class Master:
         _log_to(self.paths.log)
         cfg = self.config
         log.info("starting job %s (pid %d): %s", self.paths.name, os.getpid(), json.dumps(cfg.to_json()))
-        index = build_index(cfg.sources)
+        index, sizes = build_index(cfg.sources)
         index.save(self.paths.dir / "index")
-        self.plan = Plan(len(index), cfg.world_size, cfg.batch_size, cfg.seed, cfg.drop_last)
+        weights = tuple(s["weight"] for s in cfg.sources) if "weight" in cfg.sources[0] else ()
+        self.plan = Plan(len(index), cfg.world_size, cfg.batch_size, cfg.seed, cfg.drop_last, sizes, weights, cfg.mix)
         if self.plan.batches_per_epoch < 1:
             raise DataError(
-                f"the data has {len(index)} samples, fewer than one global batch "
+                f"an epoch has {self.plan.epoch_length} samples, fewer than one global batch "
                 f"({cfg.world_size} ranks x batch_size {cfg.batch_size}); lower --batch-size or add data"
             )
+        self.source_names = [s["name"] for s in cfg.sources]
+        self.produced_per_source = [0] * len(sizes)
         self.content = cfg.content(len(index), index.fingerprint())
         self.config_hash = content_hash(self.content)
         self.spec = ProducerSpec(
             job_dir=str(self.paths.dir),
-            plan=self.plan.__dict__.copy(),
+            plan=self.plan.to_json(),
+            source_names=self.source_names,
             transforms=list(cfg.transforms),
             pipeline=cfg.pipeline,
             config_hash=self.config_hash,
@@ -269,6 +273,8 @@ class Master:
         self._attempts.pop((rank, index), None)
         self.produced += 1
         self._produce_rate.add(time.monotonic())
+        for i, n in enumerate(msg.get("sources", [])[: len(self.produced_per_source)]):
+            self.produced_per_source[i] += n
         if not self.scheduler.task_finished(rank, index):
             self.delete_batch(rank, index)  # its rank moved on (or back) while it was made
 
@@ -454,8 +460,24 @@ class Master:
                 "produced_images_per_s": round(produced_per_s * self.config.batch_size, 1),
                 "consumed_images_per_s": round(consumed_per_s * self.config.batch_size, 1),
             },
+            "sources": self._mix_status(),
             "totals": {"produced": self.produced, "deleted": self.deleted, "bad_messages": self.bad_messages},
         }
+
+    def _mix_status(self) -> list[dict]:
+        """Each source's configured share and its realised share of the samples produced."""
+        total = sum(self.produced_per_source)
+        configured = self.plan.source_counts() / self.plan.epoch_length if self.plan.mixing else None
+        return [
+            {
+                "name": name,
+                "weight": src.get("weight"),
+                "configured_share": None if configured is None else round(float(configured[i]), 4),
+                "realised_share": round(n / total, 4) if total else None,
+                "samples_produced": n,
+            }
+            for i, (name, src, n) in enumerate(zip(self.source_names, self.config.sources, self.produced_per_source))
+        ]
 
     # -- the loop ------------------------------------------------------------------------
 

@@ -34,7 +34,8 @@ class ProducerSpec:
     """What a worker needs, as plain JSON-able data (workers start with spawn)."""
 
     job_dir: str
-    plan: dict  # Plan fields
+    plan: dict  # Plan.to_json()
+    source_names: list
     transforms: list
     pipeline: str | None
     config_hash: str
@@ -62,7 +63,7 @@ class BatchProducer:
     def __init__(self, spec: ProducerSpec):
         self.spec = spec
         self.paths = JobPaths(Path(spec.job_dir))
-        self.plan = Plan(**spec.plan)
+        self.plan = Plan.from_json(spec.plan)
         self.index = SampleIndex.load(self.paths.dir / "index")
         if spec.pipeline:
             self._user_fn = load_callable(spec.pipeline)
@@ -77,12 +78,12 @@ class BatchProducer:
         if self._image is not None:
             return builtin_fields(b, self.spec.transforms)
         # The user's code decides its fields: run it once on sample 0.
-        sample = self._run_user_fn(0, 0)
+        sample = self._run_user_fn(0, self.plan.sample_rng(0, 0))
         return [FieldSpec(k, np.asarray(v).dtype.name, (b, *np.shape(v))) for k, v in sample.items()] + _id_fields(b)
 
-    def _run_user_fn(self, epoch: int, sid: int) -> dict:
-        source = {"path": self.index.path(sid), "label": self.index.label(sid), "index": sid}
-        out = self._user_fn(source, self.plan.sample_rng(epoch, sid))
+    def _run_user_fn(self, sid: int, rng: np.random.Generator) -> dict:
+        source = {"path": self.index.path(sid), "label": self.index.label(sid), "index": int(sid)}
+        out = self._user_fn(source, rng)
         if not isinstance(out, dict) or not out or {"label", "index"} & set(out):
             raise TypeError(
                 f"{self.spec.pipeline} must return a non-empty dict of arrays without 'label' or 'index' "
@@ -90,43 +91,53 @@ class BatchProducer:
             )
         return out
 
-    def fill(self, arrays: dict[str, np.ndarray], epoch: int, step: int, rank: int) -> None:
-        ids = self.plan.sample_ids(epoch, step, rank)
+    def fill(self, arrays: dict[str, np.ndarray], epoch: int, step: int, rank: int) -> list[int]:
+        """Write the batch's samples into ``arrays``; returns how many came from each source."""
+        ids, passes = self.plan.batch_samples(epoch, step, rank)
         arrays["index"][:] = ids
         arrays["label"][:] = self.index.labels[ids]
-        for slot, sid in enumerate(ids):
+        for slot, (sid, pass_) in enumerate(zip(ids, passes)):
             path = self.index.path(sid)
+            rng = self.plan.sample_rng(epoch, sid, pass_)
             try:
                 if self._image is not None:
-                    self._image.apply(path, self.plan.sample_rng(epoch, sid), arrays["image"][slot])
+                    self._image.apply(path, rng, arrays["image"][slot])
                 else:
-                    for key, value in self._run_user_fn(epoch, sid).items():
+                    for key, value in self._run_user_fn(sid, rng).items():
                         arrays[key][slot] = value
             except Exception as exc:
                 raise SampleError(f"sample {sid} ({path}): {type(exc).__name__}: {exc}") from exc
+        return np.bincount(self.plan.source_of(ids), minlength=len(self.spec.source_names)).tolist()
 
-    def meta(self, arrays: dict[str, np.ndarray]) -> dict:
-        return {"config_hash": self.spec.config_hash, "sha256": content_digest(arrays, self.layout.fields)}
+    def meta(self, arrays: dict[str, np.ndarray], per_source: list[int]) -> dict:
+        return {
+            "config_hash": self.spec.config_hash,
+            "sha256": content_digest(arrays, self.layout.fields),
+            "sources": dict(zip(self.spec.source_names, per_source)),
+        }
 
     def regenerate(self, epoch: int, step: int, rank: int) -> tuple[dict, dict[str, np.ndarray]]:
         """Make a batch in memory, as a worker would: (meta, arrays)."""
         arrays = {f.name: np.zeros(f.shape, f.dtype) for f in self.layout.fields}
-        self.fill(arrays, epoch, step, rank)
-        return self.meta(arrays), arrays
+        per_source = self.fill(arrays, epoch, step, rank)
+        return self.meta(arrays, per_source), arrays
 
-    def produce(self, epoch: int, step: int, rank: int) -> bool:
-        """Write batch (epoch, step, rank) into the buffer; False if it was already there."""
+    def produce(self, epoch: int, step: int, rank: int) -> tuple[bool, list[int]]:
+        """Write batch (epoch, step, rank) into the buffer.
+
+        Returns (published, samples per source); published is False if the batch was already there.
+        """
         name = batch_name(epoch, step, rank)
         tmp = self.paths.tmp_dir / f"{name}.{os.getpid()}"
         writer = BatchWriter(tmp, self.layout)
         try:
-            self.fill(writer.arrays, epoch, step, rank)
-            writer.finish(epoch, step, rank, self.meta(writer.arrays))
+            per_source = self.fill(writer.arrays, epoch, step, rank)
+            writer.finish(epoch, step, rank, self.meta(writer.arrays, per_source))
             try:
                 os.link(tmp, self.paths.batch(epoch, step, rank))
-                return True
+                return True, per_source
             except FileExistsError:
-                return False
+                return False, per_source
         finally:
             writer.close()
             os.unlink(tmp)

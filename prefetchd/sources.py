@@ -123,8 +123,9 @@ def read_file_list(path: str, where: str) -> SampleIndex:
     return SampleIndex.from_lists(paths, labels)
 
 
-def build_index(sources: tuple[dict, ...]) -> SampleIndex:
-    """One index over all sources, in config order (sample ids continue across sources)."""
+def build_index(sources: tuple[dict, ...]) -> tuple[SampleIndex, tuple[int, ...]]:
+    """One index over all sources, in config order (sample ids continue across sources),
+    and the number of samples of each source."""
     parts = []
     for i, src in enumerate(sources):
         where = f"[[source]] #{i + 1} ({src['kind']})"
@@ -132,4 +133,4 @@ def build_index(sources: tuple[dict, ...]) -> SampleIndex:
             parts.append(scan_image_folder(src["root"], where))
         else:
             parts.append(read_file_list(src["path"], where))
-    return SampleIndex.concat(parts)
+    return SampleIndex.concat(parts), tuple(len(p) for p in parts)

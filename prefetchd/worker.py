@@ -5,7 +5,7 @@ small JSON spec. Messages on the pipe are JSON in both directions:
 
     master -> worker   {"op": "produce", "epoch": E, "step": K, "rank": R}  |  {"op": "stop"}
     worker -> master   {"op": "ready", "fields": [...]}  |  {"op": "boot_failed", "error": "..."}
-                       {"op": "done", "epoch", "step", "rank", "published": bool}
+                       {"op": "done", "epoch", "step", "rank", "published": bool, "sources": [n, ...]}
                        {"op": "failed", "epoch", "step", "rank", "error": "...", "sample": bool}
 """
 
@@ -49,8 +49,8 @@ def worker_main(spec_json: str, conn) -> None:
             return
         e, k, r = task["epoch"], task["step"], task["rank"]
         try:
-            published = producer.produce(e, k, r)
-            _send(conn, {"op": "done", "epoch": e, "step": k, "rank": r, "published": published})
+            published, per_source = producer.produce(e, k, r)
+            _send(conn, {"op": "done", "epoch": e, "step": k, "rank": r, "published": published, "sources": per_source})
         except SampleError as exc:
             _send(conn, {"op": "failed", "epoch": e, "step": k, "rank": r, "error": str(exc), "sample": True})
         except Exception:

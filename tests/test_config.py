@@ -70,7 +70,24 @@ def test_data_flag_replaces_the_source_root(tmp_path):
         ({"source": {"kind": "image_folder"}}, {}, r"write \[\[source\]\]"),
         ({"source": [{"kind": "s3"}]}, {}, "kind must be one of file_list, image_folder"),
         ({"source": [{"kind": "image_folder"}]}, {}, "needs root"),
-        ({"source": [{"kind": "image_folder", "root": "/d", "weight": 1}]}, {}, "unknown key 'weight'"),
+        ({"source": [{"kind": "image_folder", "root": "/d", "weight": -1}]}, {}, "weight must be a positive number"),
+        ({"source": [{"kind": "image_folder", "root": "/d", "wieght": 1}]}, {}, "unknown key 'wieght'"),
+        (
+            {"source": [{"kind": "image_folder", "root": "/a", "weight": 1}, {"kind": "image_folder", "root": "/b"}]},
+            {},
+            "give every \\[\\[source\\]\\] a weight, or none",
+        ),
+        (
+            {
+                "source": [
+                    {"kind": "image_folder", "root": "/a", "name": "x"},
+                    {"kind": "image_folder", "root": "/b", "name": "x"},
+                ]
+            },
+            {},
+            "names must be unique",
+        ),
+        ({"mix": {"epoch": "forever"}}, {}, "epoch must be one of cycle, first_exhausted, all_once"),
         ({"transform": [{"op": "blur"}]}, {}, "unknown transform op 'blur'"),
         ({"transform": [{"op": "random_crop", "sise": 3}]}, {}, "unknown key 'sise'"),
         ({"transform": [{"op": "hflip"}]}, {}, "fixed"),

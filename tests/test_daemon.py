@@ -94,18 +94,23 @@ def test_two_ranks_read_two_epochs_disjoint_and_within_the_bound(tmp_path, jpeg_
 
 def test_progress_file_trainer_gets_deletion_and_refill(tmp_path, jpeg_folder, job_root):
     """A trainer in any language: it reads files by name and writes progress/rank-0 only."""
-    cfg = write_config(tmp_path, jpeg_folder, batch_size=4, buffer="64K")
+    cfg = write_config(tmp_path, jpeg_folder, batch_size=4, buffer="100K")
     paths = start_job(cfg)
-    window = read_manifest(paths)["window_per_rank"]
-    wait_until(lambda: len(batch_files(paths)) == window, what="window filled")
-    assert batch_files(paths)[0] == (0, 0, 0)
-    write_progress(paths.progress(0), 0, 3)  # batches 0..2 consumed
-    wait_until(
-        lambda: batch_files(paths)[0] == (0, 3, 0) and len(batch_files(paths)) == window,
-        what="deletion and refill after a progress file",
-    )
-    write_progress(paths.progress(0), 1, 2)  # across the epoch boundary (12 batches per epoch)
-    wait_until(lambda: batch_files(paths)[0] == (1, 2, 0), what="refill in the next epoch")
+    manifest = read_manifest(paths)
+    window, retain, per_epoch = manifest["window_per_rank"], manifest["retain"], manifest["batches_per_epoch"]
+    assert window + retain < per_epoch
+
+    def linear_files():
+        return [e * per_epoch + k for e, k, _ in batch_files(paths)]
+
+    wait_until(lambda: linear_files() == list(range(window)), what="window filled")
+    write_progress(paths.progress(0), 0, 2)  # batches 0, 1 consumed: kept as the `retain` ones
+    expected = list(range(2 - retain, 2 + window))
+    wait_until(lambda: linear_files() == expected, what="deletion and refill after a progress file")
+    # Across the epoch boundary; what lies behind the new position is not remade.
+    write_progress(paths.progress(0), 1, 2)
+    expected = list(range(per_epoch + 2, per_epoch + 2 + window))
+    wait_until(lambda: linear_files() == expected, what="refill in the next epoch")
     assert status(paths)["ranks"][0]["epoch"] == 1
 
 

@@ -81,7 +81,7 @@ def test_build_index_concatenates_sources_in_order(tmp_path):
     touch(tmp_path / "f/c/1.jpg")
     lst = tmp_path / "l.txt"
     lst.write_text("q.jpg,5\n")
-    index = build_index(
+    index, sizes = build_index(
         ({"kind": "image_folder", "root": str(tmp_path / "f")}, {"kind": "file_list", "path": str(lst)})
     )
-    assert len(index) == 2 and index.labels.tolist() == [0, 5]
+    assert len(index) == 2 and index.labels.tolist() == [0, 5] and sizes == (1, 1)
