@@ -49,6 +49,10 @@ def start(
     buffer: Annotated[Optional[str], typer.Option(help="Byte bound of the buffer, e.g. 30G")] = None,
     workers: Annotated[Optional[int], typer.Option(help="Worker processes [default: cores - 1]")] = None,
     retain: Annotated[Optional[int], typer.Option(help="Consumed batches kept per rank, for warm restarts [2]")] = None,
+    on_error: Annotated[Optional[str], typer.Option(help="A bad sample: replace (default) or fail")] = None,
+    max_bad_rate: Annotated[
+        Optional[float], typer.Option(help="Stop when more samples than this are bad [0.25]")
+    ] = None,
     name: Annotated[Optional[str], typer.Option(help="Job name [default: config's, else its file name]")] = None,
     seed: Annotated[Optional[int], typer.Option()] = None,
     world_size: Annotated[Optional[int], typer.Option(help="Trainer ranks that read this job")] = None,
@@ -66,6 +70,8 @@ def start(
         buffer=buffer,
         workers=workers,
         retain=retain,
+        on_error=on_error,
+        max_bad_rate=max_bad_rate,
         name=name,
         seed=seed,
         world_size=world_size,
@@ -115,7 +121,8 @@ def _print_status(s: dict) -> None:
     )
     out.print(
         f"  produced {r['produced_images_per_s']:.0f} img/s, consumed {r['consumed_images_per_s']:.0f} img/s; "
-        f"workers {s['workers']['busy']}/{s['workers']['count']} busy, {s['workers']['restarts']} restarts",
+        f"workers {s['workers']['busy']}/{s['workers']['count']} busy, {s['workers']['restarts']} restarts; "
+        f"{s['totals']['bad_samples']} bad samples replaced",
         highlight=False,
     )
     table = Table("rank", "epoch", "step", "ready", "in flight", "consumed", "last report", box=None)

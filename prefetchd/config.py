@@ -12,6 +12,8 @@ drop_last = true         # false: the last step is padded from the epoch's start
 buffer = "30G"           # byte bound of the buffer (K, M, G, T = powers of 1024)
 workers = 15             # default: cores - 1, at least 1
 retain = 2               # consumed batches kept per rank: a restart a few steps back is warm
+on_error = "replace"     # a bad sample: "replace" it (recorded in the batch header) or "fail"
+max_bad_rate = 0.25      # stop when more of the samples than this are bad
 
 [[source]]
 kind = "image_folder"    # or "file_list" with path = "train.txt" ("path,label" lines)
@@ -55,7 +57,8 @@ DEFAULT_RETAIN = 2  # consumed batches kept per rank, so a restart a few steps b
 DEFAULT_TRANSFORMS = ({"op": "random_resized_crop", "size": 224}, {"op": "hflip"})
 _SECTIONS = {"job", "daemon", "source", "transform", "pipeline", "mix"}
 _JOB_KEYS = {"name": str, "seed": int, "world_size": int, "batch_size": int, "drop_last": bool}
-_DAEMON_KEYS = {"buffer": (str, int), "workers": int, "retain": int}
+_DAEMON_KEYS = {"buffer": (str, int), "workers": int, "retain": int, "on_error": str, "max_bad_rate": (float, int)}
+ON_ERROR = ("replace", "fail")
 _SOURCE_KEYS = {"image_folder": {"kind", "root", "name", "weight"}, "file_list": {"kind", "path", "name", "weight"}}
 
 
@@ -73,6 +76,8 @@ class Config:
     buffer_bytes: int = field(default_factory=lambda: parse_size(DEFAULT_BUFFER))
     workers: int = field(default_factory=default_workers)
     retain: int = DEFAULT_RETAIN
+    on_error: str = "replace"
+    max_bad_rate: float = 0.25
     sources: tuple[dict, ...] = ()
     mix: str = "cycle"
     transforms: tuple[dict, ...] = ()
@@ -183,6 +188,12 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
     retain = daemon.get("retain", DEFAULT_RETAIN)
     if retain < 0:
         raise ConfigError(f"[daemon] retain / --retain must be 0 or more, got {retain}")
+    on_error = daemon.get("on_error", "replace")
+    if on_error not in ON_ERROR:
+        raise ConfigError(f"[daemon] on_error / --on-error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
+    max_bad_rate = float(daemon.get("max_bad_rate", 0.25))
+    if not 0 < max_bad_rate <= 1:
+        raise ConfigError(f"[daemon] max_bad_rate / --max-bad-rate must be in (0, 1], got {max_bad_rate}")
 
     raw_sources = raw.get("source", [])
     if not isinstance(raw_sources, list):
@@ -232,6 +243,8 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
         buffer_bytes=buffer_bytes,
         workers=workers,
         retain=retain,
+        on_error=on_error,
+        max_bad_rate=max_bad_rate,
         sources=sources,
         mix=mix,
         transforms=tuple(specs),

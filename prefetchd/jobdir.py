@@ -77,8 +77,17 @@ class JobDir:
         for folder in (self.paths.progress_dir, self.paths.batch_dir, self.paths.tmp_dir):
             folder.mkdir(mode=0o700, exist_ok=True)
 
-    def remove(self) -> None:
-        shutil.rmtree(self.paths.dir, ignore_errors=True)
+    def remove(self, keep: list[Path] = ()) -> None:
+        if not keep:
+            shutil.rmtree(self.paths.dir, ignore_errors=True)
+            return
+        for entry in self.paths.dir.iterdir():
+            if entry in keep:
+                continue
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
 
     def release(self) -> None:
         if self._lock_fd >= 0:

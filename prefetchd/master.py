@@ -41,6 +41,7 @@ EXIT_WORKER_BOOT = 5
 EXIT_SAMPLE_ERROR = 6
 EXIT_WORKER_CRASHES = 7
 EXIT_TASK_ERROR = 8
+EXIT_BAD_DATA = 9
 
 _WORKER_BOOT_TIMEOUT_S = 120.0
 _WORKER_STOP_TIMEOUT_S = 5.0
@@ -49,6 +50,8 @@ _RESTART_BUDGET = 20  # worker deaths tolerated within _RESTART_WINDOW_S
 _RESTART_WINDOW_S = 60.0
 _TASK_ATTEMPTS = 3  # a batch that fails this often (not a bad sample) stops the daemon
 _RATE_WINDOW_S = 10.0
+_BAD_IN_A_ROW = 64  # unreadable samples in a row within a batch: the data, not a sample, is broken
+_BAD_RATE_MIN_SAMPLES = 1000  # judge the bad-sample rate only over this many samples
 _FORMAT_VERSION = 1
 
 
@@ -99,6 +102,7 @@ class Master:
         self._socket = None
         self._watcher = None
         self.produced, self.deleted, self.bad_messages = 0, 0, 0
+        self.samples_produced, self.bad_samples = 0, 0
         self.peak_bytes = 0
         self._produce_rate, self._consume_rate = Rates(), Rates()
         self._last_report: dict[int, float] = {}
@@ -143,6 +147,7 @@ class Master:
             transforms=list(cfg.transforms),
             pipeline=cfg.pipeline,
             config_hash=self.config_hash,
+            on_error=cfg.on_error,
         )
         _write_json(self.paths.dir / PRODUCER_SPEC, self.spec.to_json())  # `prefetchd verify` remakes batches
         if cfg.pipeline is None:  # known now: refuse a bad buffer before booting anything
@@ -273,10 +278,39 @@ class Master:
         self._attempts.pop((rank, index), None)
         self.produced += 1
         self._produce_rate.add(time.monotonic())
-        for i, n in enumerate(msg.get("sources", [])[: len(self.produced_per_source)]):
+        for i, n in enumerate(msg["sources"][: len(self.produced_per_source)]):
             self.produced_per_source[i] += n
+        self.samples_produced += self.config.batch_size
+        self._count_bad_samples(msg)
         if not self.scheduler.task_finished(rank, index):
             self.delete_batch(rank, index)  # its rank moved on (or back) while it was made
+
+    def _count_bad_samples(self, msg: dict) -> None:
+        """Log every replaced sample with its path; stop when the failure budget is spent."""
+        for bad in msg["replaced"]:
+            log.warning(
+                "bad sample %d (%s): %s; replaced by sample %d",
+                bad["index"],
+                bad["path"],
+                bad["error"],
+                bad["replacement"],
+            )
+        self.bad_samples += len(msg["replaced"])
+        if msg["longest_bad_run"] >= _BAD_IN_A_ROW:
+            raise DaemonStop(
+                f"{msg['longest_bad_run']} unreadable samples in a row (the last: {msg['replaced'][-1]['path']}); "
+                f"is the data intact? see {self.paths.log}",
+                EXIT_BAD_DATA,
+            )
+        if (
+            self.samples_produced >= _BAD_RATE_MIN_SAMPLES
+            and self.bad_samples > self.config.max_bad_rate * self.samples_produced
+        ):
+            raise DaemonStop(
+                f"{self.bad_samples} of {self.samples_produced} samples were unreadable, more than "
+                f"--max-bad-rate {self.config.max_bad_rate}; see {self.paths.log} for their paths",
+                EXIT_BAD_DATA,
+            )
 
     def _on_batch_failed(self, slot: WorkerSlot, msg: dict) -> None:
         rank, index = slot.task
@@ -461,7 +495,12 @@ class Master:
                 "consumed_images_per_s": round(consumed_per_s * self.config.batch_size, 1),
             },
             "sources": self._mix_status(),
-            "totals": {"produced": self.produced, "deleted": self.deleted, "bad_messages": self.bad_messages},
+            "totals": {
+                "produced": self.produced,
+                "deleted": self.deleted,
+                "bad_samples": self.bad_samples,
+                "bad_messages": self.bad_messages,
+            },
         }
 
     def _mix_status(self) -> list[dict]:
@@ -511,8 +550,6 @@ class Master:
             log.exception("internal error")
             self.stop_reason = DaemonStop(f"internal error: {exc!r}; see {self.paths.log}", 70)
         self.shutdown()
-        if self.stop_reason.exit_code:
-            log.error("stopped: %s", self.stop_reason)
         return self.stop_reason.exit_code
 
     # -- stopping ------------------------------------------------------------------------
@@ -547,9 +584,14 @@ class Master:
         log.info(
             "stopped (produced %d, deleted %d, peak %s)", self.produced, self.deleted, format_size(self.peak_bytes)
         )
+        failed = self.stop_reason is not None and self.stop_reason.exit_code != EXIT_OK
+        if failed:
+            log.error("stopped: %s", self.stop_reason)
         if self.keep:
             self.paths.manifest.unlink(missing_ok=True)
             self.paths.socket.unlink(missing_ok=True)
+        elif failed:  # free the tmpfs, but keep the log that says why (`prefetchd stop` removes it)
+            self.jobdir.remove(keep=[self.paths.log, self.paths.lock])
         else:
             self.jobdir.remove()
         self.jobdir.release()

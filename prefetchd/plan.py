@@ -39,6 +39,7 @@ import numpy as np
 _PERMUTATION = 0x5045524D
 _AUGMENT = 0x4155474D
 _INTERLEAVE = 0x494C5645
+_REPLACE = 0x5245504C
 MIX_RULES = ("cycle", "first_exhausted", "all_once")
 
 
@@ -104,6 +105,11 @@ class Plan:
     def sample_rng(self, epoch: int, sample_id: int, pass_: int = 0) -> np.random.Generator:
         key = [self.seed, _AUGMENT, epoch, int(sample_id)] + ([int(pass_)] if pass_ else [])
         return np.random.default_rng(key)
+
+    def replacement(self, epoch: int, sample_id: int, pass_: int, attempt: int) -> int:
+        """The sample that stands in for an unreadable one: drawn from the plan, so repeatable."""
+        key = [self.seed, _REPLACE, epoch, int(sample_id), int(pass_), attempt]
+        return int(np.random.default_rng(key).integers(self.num_samples))
 
     def source_of(self, sample_ids: np.ndarray) -> np.ndarray:
         """The source number of each sample id (ids are positions in the concatenated index)."""

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import importlib
 import os
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from prefetchd_client.batchfile import BatchLayout, BatchWriter, FieldSpec, content_digest
 from prefetchd_client.layout import JobPaths, batch_name
@@ -29,6 +31,19 @@ class SampleError(Exception):
     """A sample could not be produced; the message names its file."""
 
 
+_REPLACEMENT_ATTEMPTS = 10
+_ERROR_CHARS = 200
+
+
+@dataclass
+class FillReport:
+    """What went into a batch besides pixels."""
+
+    per_source: list[int]
+    replaced: list[dict] = field(default_factory=list)  # {"slot", "index", "path", "error", "replacement"}
+    longest_bad_run: int = 0
+
+
 @dataclass(frozen=True)
 class ProducerSpec:
     """What a worker needs, as plain JSON-able data (workers start with spawn)."""
@@ -39,6 +54,7 @@ class ProducerSpec:
     transforms: list
     pipeline: str | None
     config_hash: str
+    on_error: str = "replace"  # or "fail"
 
     def to_json(self) -> dict:
         return self.__dict__.copy()
@@ -61,6 +77,8 @@ def load_callable(ref: str):
 
 class BatchProducer:
     def __init__(self, spec: ProducerSpec):
+        # Pillow only warns between MAX_IMAGE_PIXELS and twice that: make it a bad sample.
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
         self.spec = spec
         self.paths = JobPaths(Path(spec.job_dir))
         self.plan = Plan.from_json(spec.plan)
@@ -91,53 +109,95 @@ class BatchProducer:
             )
         return out
 
-    def fill(self, arrays: dict[str, np.ndarray], epoch: int, step: int, rank: int) -> list[int]:
-        """Write the batch's samples into ``arrays``; returns how many came from each source."""
-        ids, passes = self.plan.batch_samples(epoch, step, rank)
-        arrays["index"][:] = ids
-        arrays["label"][:] = self.index.labels[ids]
-        for slot, (sid, pass_) in enumerate(zip(ids, passes)):
-            path = self.index.path(sid)
-            rng = self.plan.sample_rng(epoch, sid, pass_)
-            try:
-                if self._image is not None:
-                    self._image.apply(path, rng, arrays["image"][slot])
-                else:
-                    for key, value in self._run_user_fn(sid, rng).items():
-                        arrays[key][slot] = value
-            except Exception as exc:
-                raise SampleError(f"sample {sid} ({path}): {type(exc).__name__}: {exc}") from exc
-        return np.bincount(self.plan.source_of(ids), minlength=len(self.spec.source_names)).tolist()
+    def fill(self, arrays: dict[str, np.ndarray], epoch: int, step: int, rank: int) -> FillReport:
+        """Write the batch's samples into ``arrays``.
 
-    def meta(self, arrays: dict[str, np.ndarray], per_source: list[int]) -> dict:
+        A sample that cannot be read (corrupt, truncated, not an allowed image format, too
+        many pixels, gone) either stops the batch (``on_error = "fail"``) or is replaced by
+        another sample drawn from the plan, so the batch keeps its size and the rank its
+        number of batches; the replacement is deterministic and recorded.
+        """
+        ids, passes = self.plan.batch_samples(epoch, step, rank)
+        report, run = FillReport([]), 0
+        for slot, (sid, pass_) in enumerate(zip(ids.tolist(), passes.tolist())):
+            try:
+                self._make_sample(arrays, slot, epoch, sid, pass_)
+                run = 0
+                continue
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"[:_ERROR_CHARS]
+                if self.spec.on_error == "fail":
+                    raise SampleError(f"sample {sid} ({self.index.path(sid)}): {error}") from exc
+            run += 1
+            report.longest_bad_run = max(report.longest_bad_run, run)
+            report.replaced.append(
+                {
+                    "slot": slot,
+                    "index": sid,
+                    "path": self.index.path(sid),
+                    "error": error,
+                    "replacement": self._replace(arrays, slot, epoch, sid, pass_),
+                }
+            )
+        report.per_source = np.bincount(
+            self.plan.source_of(arrays["index"]), minlength=len(self.spec.source_names)
+        ).tolist()
+        return report
+
+    def _make_sample(self, arrays: dict[str, np.ndarray], slot: int, epoch: int, sid: int, pass_: int) -> None:
+        rng = self.plan.sample_rng(epoch, sid, pass_)
+        if self._image is not None:
+            self._image.apply(self.index.path(sid), rng, arrays["image"][slot])
+        else:
+            for key, value in self._run_user_fn(sid, rng).items():
+                arrays[key][slot] = value
+        arrays["index"][slot] = sid
+        arrays["label"][slot] = self.index.labels[sid]
+
+    def _replace(self, arrays: dict[str, np.ndarray], slot: int, epoch: int, sid: int, pass_: int) -> int:
+        for attempt in range(_REPLACEMENT_ATTEMPTS):
+            other = self.plan.replacement(epoch, sid, pass_, attempt)
+            try:
+                self._make_sample(arrays, slot, epoch, other, pass_)
+                return other
+            except Exception:
+                continue
+        raise SampleError(
+            f"sample {sid} ({self.index.path(sid)}) is unreadable and so were {_REPLACEMENT_ATTEMPTS} "
+            "replacements drawn for it; is the data folder readable?"
+        )
+
+    def meta(self, arrays: dict[str, np.ndarray], report: FillReport) -> dict:
         return {
             "config_hash": self.spec.config_hash,
             "sha256": content_digest(arrays, self.layout.fields),
-            "sources": dict(zip(self.spec.source_names, per_source)),
+            "sources": dict(zip(self.spec.source_names, report.per_source)),
+            "replaced": report.replaced,
         }
 
     def regenerate(self, epoch: int, step: int, rank: int) -> tuple[dict, dict[str, np.ndarray]]:
         """Make a batch in memory, as a worker would: (meta, arrays)."""
         arrays = {f.name: np.zeros(f.shape, f.dtype) for f in self.layout.fields}
-        per_source = self.fill(arrays, epoch, step, rank)
-        return self.meta(arrays, per_source), arrays
+        return self.meta(arrays, self.fill(arrays, epoch, step, rank)), arrays
 
-    def produce(self, epoch: int, step: int, rank: int) -> tuple[bool, list[int]]:
+    def produce(self, epoch: int, step: int, rank: int) -> tuple[bool, FillReport]:
         """Write batch (epoch, step, rank) into the buffer.
 
-        Returns (published, samples per source); published is False if the batch was already there.
+        Returns (published, report); published is False if the batch was already there.
         """
         name = batch_name(epoch, step, rank)
         tmp = self.paths.tmp_dir / f"{name}.{os.getpid()}"
         writer = BatchWriter(tmp, self.layout)
         try:
-            per_source = self.fill(writer.arrays, epoch, step, rank)
-            writer.finish(epoch, step, rank, self.meta(writer.arrays, per_source))
+            report = self.fill(writer.arrays, epoch, step, rank)
+            writer.finish(epoch, step, rank, self.meta(writer.arrays, report))
             try:
                 os.link(tmp, self.paths.batch(epoch, step, rank))
-                return True, per_source
+                return True, report
             except FileExistsError:
-                return False, per_source
+                return False, report
         finally:
-            writer.close()
-            os.unlink(tmp)
+            try:
+                writer.close()
+            finally:
+                os.unlink(tmp)

@@ -45,6 +45,10 @@ from prefetchd.errors import ConfigError
 
 Box = tuple[float, float, float, float]  # (left, top, right, bottom) in source pixels
 
+# Only these decoders ever see a file: a crafted file cannot reach Pillow's rarer, less
+# hardened plugins. Pillow's pixel limit (Image.MAX_IMAGE_PIXELS) stays on.
+ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "PPM", "TIFF")
+
 
 # ---------------------------------------------------------------- config schema
 
@@ -334,7 +338,7 @@ class ImagePipeline:
         result into `out` (shape output_shape; may be a view into a batch buffer)."""
         if out.shape != self.output_shape or out.dtype != np.uint8:
             raise ValueError(f"out must be uint8 of shape {self.output_shape}, got {out.dtype} {out.shape}")
-        with Image.open(path) as src:
+        with Image.open(path, formats=ALLOWED_FORMATS) as src:
             v = self.plan(src.size, rng)
             assert (v.h, v.w) == self.output_shape[:2]
             box = _draft(src, v.box, v.w, v.h)

@@ -5,7 +5,8 @@ small JSON spec. Messages on the pipe are JSON in both directions:
 
     master -> worker   {"op": "produce", "epoch": E, "step": K, "rank": R}  |  {"op": "stop"}
     worker -> master   {"op": "ready", "fields": [...]}  |  {"op": "boot_failed", "error": "..."}
-                       {"op": "done", "epoch", "step", "rank", "published": bool, "sources": [n, ...]}
+                       {"op": "done", "epoch", "step", "rank", "published": bool, "sources": [n, ...],
+                        "replaced": [{"slot", "index", "path", "error", "replacement"}], "longest_bad_run": n}
                        {"op": "failed", "epoch", "step", "rank", "error": "...", "sample": bool}
 """
 
@@ -49,8 +50,17 @@ def worker_main(spec_json: str, conn) -> None:
             return
         e, k, r = task["epoch"], task["step"], task["rank"]
         try:
-            published, per_source = producer.produce(e, k, r)
-            _send(conn, {"op": "done", "epoch": e, "step": k, "rank": r, "published": published, "sources": per_source})
+            published, report = producer.produce(e, k, r)
+            done = {"op": "done", "epoch": e, "step": k, "rank": r, "published": published}
+            _send(
+                conn,
+                done
+                | {
+                    "sources": report.per_source,
+                    "replaced": report.replaced,
+                    "longest_bad_run": report.longest_bad_run,
+                },
+            )
         except SampleError as exc:
             _send(conn, {"op": "failed", "epoch": e, "step": k, "rank": r, "error": str(exc), "sample": True})
         except Exception:

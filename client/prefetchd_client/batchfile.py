@@ -135,9 +135,11 @@ class BatchWriter:
         self.close()
 
     def close(self) -> None:
-        self.arrays = {}  # drop the exported views so the map can close
-        if not self._map.closed:
+        self.arrays = {}  # drop our views so the map can close
+        try:
             self._map.close()
+        except BufferError:
+            pass  # a traceback still holds a view; the map closes when it is collected
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1

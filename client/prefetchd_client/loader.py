@@ -48,6 +48,19 @@ def _default_rank_and_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+def _last_error(log_path) -> str:
+    """The daemon's last logged error, to put the reason into the client's exception."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 8192))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return ""
+    errors = [line.split(" ERROR ", 1)[1] for line in lines if " ERROR " in line]
+    return f" ({errors[-1]})" if errors else ""
+
+
 class PrefetchLoader:
     """Iterate the batches of rank ``rank`` of the prefetchd job ``job``.
 
@@ -213,7 +226,8 @@ class PrefetchLoader:
                 if not daemon_alive(self._paths):
                     raise DaemonDied(
                         f"the daemon of job {self._paths.name!r} stopped while rank {self.rank} waited for "
-                        f"epoch {epoch} step {step}; see {self._paths.log} and restart it with `prefetchd start`"
+                        f"epoch {epoch} step {step}{_last_error(self._paths.log)}; see {self._paths.log} "
+                        "and restart it with `prefetchd start`"
                     )
                 self._report(epoch, step)
                 next_check = now + _LIVENESS_CHECK_S

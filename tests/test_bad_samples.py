@@ -1,0 +1,118 @@
+"""Corrupt, truncated, empty, non-image, oversized or vanished files: replaced or fatal, by policy;
+counted exactly; never a change in the number of batches per rank."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from prefetchd import control
+from prefetchd.datagen import make_image_folder
+from prefetchd_client import DaemonDied, PrefetchLoader
+from prefetchd_client.batchfile import map_batch
+
+from .conftest import cli, start_job, write_config
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def spoil(folder, rng, fraction: float) -> set[str]:
+    """Damage a fraction of the JPEGs in as many ways as a real dataset offers; returns their paths."""
+    files = sorted(folder.rglob("*.jpg"))
+    chosen = rng.choice(len(files), size=max(1, round(fraction * len(files))), replace=False)
+    damages = [
+        lambda p: p.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 3]),  # truncated
+        lambda p: p.write_bytes(b""),  # empty
+        lambda p: p.write_text("not an image at all"),  # not an image
+        lambda p: p.write_bytes(b"\xff\xd8\xff\xe0" + bytes(rng.integers(0, 256, 500, dtype=np.uint8))),  # garbage
+        lambda p: Image.new("RGB", (8, 8)).save(p, "GIF"),  # a format not on the allow-list
+        lambda p: p.unlink(),  # vanished after indexing
+    ]
+    for n, i in enumerate(chosen):
+        damages[n % len(damages)](files[i])
+    return {str(files[i]) for i in chosen}
+
+
+def read_epoch(job: str) -> tuple[list[dict], list[np.ndarray]]:
+    loader = PrefetchLoader(job, as_tensors=False)
+    headers, images = [], []
+    for step, batch in enumerate(loader):
+        headers.append(map_batch(loader._paths.batch(0, step, 0))[0]["meta"])
+        images.append(batch["image"].copy())
+        assert len(batch["index"]) == 4
+    loader.close()
+    return headers, images
+
+
+@pytest.mark.parametrize("fraction", [0.01, 0.1])
+def test_bad_samples_are_replaced_counted_and_identical_across_runs(tmp_path, job_root, fraction):
+    data = make_image_folder(tmp_path / "data", classes=4, per_class=50, size=(40, 80), seed=7)
+    # A file list, indexed without looking at the files, so a vanished file is still a sample.
+    files = sorted(data.rglob("*.jpg"))
+    (tmp_path / "train.txt").write_text("".join(f"{p},{i % 4}\n" for i, p in enumerate(files)))
+    bad = spoil(data, np.random.default_rng(1), fraction)
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(
+        '[job]\nname = "job"\nbatch_size = 4\n[daemon]\nworkers = 2\nbuffer = "8M"\n'
+        '[[source]]\nkind = "file_list"\npath = "train.txt"\n[[transform]]\nop = "random_resized_crop"\nsize = 16\n'
+    )
+    runs = []
+    for _ in range(2):
+        paths = start_job(cfg)
+        headers, images = read_epoch("job")
+        status = control.request(paths.endpoint, {"op": "status"})
+        assert cli("stop", "job").returncode == 0
+        runs.append((headers, images, status))
+        log_text = paths.log.read_text() if paths.log.exists() else ""
+        assert log_text == ""  # stop removed the job directory, log included
+    (headers, images, status), (headers2, images2, _) = runs
+    assert len(headers) == 50  # 200 samples / 4: the number of batches never changes
+    replaced = [r for h in headers for r in h["replaced"]]
+    assert {r["path"] for r in replaced} == bad, "every bad file is replaced, and only those"
+    assert all(r["replacement"] != r["index"] for r in replaced)
+    assert status["totals"]["bad_samples"] >= len(bad)  # produced batches may run past the epoch
+    assert headers == headers2 and all(np.array_equal(a, b) for a, b in zip(images, images2))
+
+
+def test_on_error_fail_stops_naming_the_file(tmp_path, job_root):
+    data = make_image_folder(tmp_path / "data", classes=2, per_class=8, size=(40, 60), seed=3)
+    victim = sorted(data.rglob("*.jpg"))[0]
+    victim.write_bytes(b"garbage")
+    cfg = write_config(tmp_path, data, batch_size=16, size=16)
+    paths = start_job(cfg, "--on-error", "fail")
+    loader = PrefetchLoader("job", as_tensors=False, timeout=30)
+    with pytest.raises(DaemonDied, match=f"cannot read a sample: sample \\d+ \\({victim}\\)"):
+        next(iter(loader))
+    # The tmpfs is freed; the log that says why stays until `prefetchd stop` clears it.
+    assert sorted(p.name for p in paths.dir.iterdir()) == ["daemon.lock", "daemon.log"]
+    assert str(victim) in paths.log.read_text()
+    assert cli("stop", "job").returncode == 0 and not paths.dir.exists()
+
+
+def test_a_dataset_that_is_mostly_broken_stops_the_daemon(tmp_path, job_root):
+    data = make_image_folder(tmp_path / "data", classes=1, per_class=80, size=(40, 60), seed=4)
+    for p in sorted(data.rglob("*.jpg"))[:70]:
+        p.write_bytes(b"")
+    cfg = write_config(tmp_path, data, batch_size=64, size=16)
+    start_job(cfg)
+    loader = PrefetchLoader("job", as_tensors=False, timeout=30)
+    with pytest.raises(DaemonDied, match="unreadable (samples in a row|and so were 10 replacements)"):
+        next(iter(loader))
+
+
+def test_decompression_bombs_are_bad_samples(tmp_path, job_root):
+    data = make_image_folder(tmp_path / "data", classes=1, per_class=8, size=(40, 60), seed=5)
+    bomb = sorted(data.rglob("*.jpg"))[2]
+    Image.new("L", (12000, 12000)).save(bomb, "PNG")  # 144 Mpx > Pillow's 89 Mpx limit; ~140 KB on disk
+    bomb.rename(bomb.with_suffix(".png"))
+    paths = start_job(write_config(tmp_path, data, batch_size=8, size=16))
+    loader = PrefetchLoader("job", as_tensors=False)
+    next(iter(loader))
+    meta = map_batch(paths.batch(0, 0, 0))[0]["meta"]
+    assert [r["path"] for r in meta["replaced"]] == [str(bomb.with_suffix(".png"))]
+    assert "DecompressionBomb" in meta["replaced"][0]["error"]
+    loader.close()
+    assert json.dumps(meta)  # the header stays small JSON
