@@ -70,7 +70,7 @@ def write_config(
     name: str = "job",
     batch_size: int = 4,
     world_size: int = 1,
-    buffer: str = "16M",
+    buffer: str = "1M",
     workers: int = 1,
     seed: int = 0,
     size: int = 32,

@@ -162,7 +162,7 @@ def test_status_json_and_stop_removes_the_job(tmp_path, jpeg_folder, job_root):
     result = cli("status", "job", "--json")
     assert result.returncode == 0, result.stderr
     s = json.loads(result.stdout)
-    assert s["state"] == "serving" and s["buffer"]["bound_bytes"] == 16 << 20
+    assert s["state"] == "serving" and s["buffer"]["bound_bytes"] == 1 << 20
     assert {"rank", "epoch", "step", "ready"} <= set(s["ranks"][0])
     assert "produced_images_per_s" in s["rates"]
     text = cli("status").stdout

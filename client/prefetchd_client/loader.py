@@ -48,6 +48,16 @@ def _default_rank_and_world() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+class _EpochSampler:
+    """The one sampler method frameworks call on a loader: ``set_epoch``."""
+
+    def __init__(self, loader: PrefetchLoader):
+        self._loader = loader
+
+    def set_epoch(self, epoch: int) -> None:
+        self._loader.set_epoch(epoch)
+
+
 def _last_error(log_path) -> str:
     """The daemon's last logged error, to put the reason into the client's exception."""
     try:
@@ -133,7 +143,13 @@ class PrefetchLoader:
 
     @property
     def position(self) -> tuple[int, int]:
-        """(epoch, step) of the next batch this rank will read."""
+        """(epoch, step) of the next batch this rank will read.
+
+        Right after an epoch's last batch this is already (epoch + 1, 0), whether or not the
+        loop went on to exhaust the iterator.
+        """
+        if self._step >= len(self):
+            return self._epoch + 1, 0
         return self._epoch, self._step
 
     def set_epoch(self, epoch: int) -> None:
@@ -142,13 +158,19 @@ class PrefetchLoader:
         Setting the epoch the loader is already in changes nothing, so the usual
         ``loader.set_epoch(epoch)`` at the top of each epoch keeps a mid-epoch resume.
         """
-        if epoch != self._epoch:
+        if epoch != self.position[0]:
             self._epoch, self._step = int(epoch), 0
 
+    @property
+    def sampler(self) -> _EpochSampler:
+        """Lightning calls ``loader.sampler.set_epoch(e)`` at every epoch start; so can you."""
+        return _EpochSampler(self)
+
     def __iter__(self) -> Iterator[dict]:
+        # The position is read at the first batch, not at iter(): Lightning calls iter()
+        # before it sets the epoch.
         n = len(self)
-        if self._step >= n:  # the previous epoch ran to its end
-            self._epoch, self._step = self._epoch + 1, 0
+        self._epoch, self._step = self.position
         epoch = self._epoch
         for step in range(self._step, n):
             self._report(epoch, step)
@@ -164,12 +186,13 @@ class PrefetchLoader:
         ``samples_consumed`` counts samples of the epoch's permutation, not batches, so a
         state resumes under another world size (elastic resume).
         """
+        epoch, step = self.position
         return {
             "version": STATE_VERSION,
             "config_hash": self.manifest["config_hash"],
             "config": self.manifest["config"],
-            "epoch": self._epoch,
-            "samples_consumed": self._step * self.manifest["global_batch"],
+            "epoch": epoch,
+            "samples_consumed": step * self.manifest["global_batch"],
         }
 
     def load_state_dict(self, state: dict) -> None:
