@@ -53,6 +53,9 @@ def start(
     max_bad_rate: Annotated[
         Optional[float], typer.Option(help="Stop when more samples than this are bad [0.25]")
     ] = None,
+    worker_timeout: Annotated[
+        Optional[float], typer.Option(help="Seconds without a heartbeat before a worker is replaced [60]")
+    ] = None,
     name: Annotated[Optional[str], typer.Option(help="Job name [default: config's, else its file name]")] = None,
     seed: Annotated[Optional[int], typer.Option()] = None,
     world_size: Annotated[Optional[int], typer.Option(help="Trainer ranks that read this job")] = None,
@@ -72,6 +75,7 @@ def start(
         retain=retain,
         on_error=on_error,
         max_bad_rate=max_bad_rate,
+        worker_timeout=worker_timeout,
         name=name,
         seed=seed,
         world_size=world_size,

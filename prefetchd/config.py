@@ -14,6 +14,7 @@ workers = 15             # default: cores - 1, at least 1
 retain = 2               # consumed batches kept per rank: a restart a few steps back is warm
 on_error = "replace"     # a bad sample: "replace" it (recorded in the batch header) or "fail"
 max_bad_rate = 0.25      # stop when more of the samples than this are bad
+worker_timeout = 60      # seconds without a heartbeat before a worker is killed and replaced
 
 [[source]]
 kind = "image_folder"    # or "file_list" with path = "train.txt" ("path,label" lines)
@@ -57,7 +58,14 @@ DEFAULT_RETAIN = 2  # consumed batches kept per rank, so a restart a few steps b
 DEFAULT_TRANSFORMS = ({"op": "random_resized_crop", "size": 224}, {"op": "hflip"})
 _SECTIONS = {"job", "daemon", "source", "transform", "pipeline", "mix"}
 _JOB_KEYS = {"name": str, "seed": int, "world_size": int, "batch_size": int, "drop_last": bool}
-_DAEMON_KEYS = {"buffer": (str, int), "workers": int, "retain": int, "on_error": str, "max_bad_rate": (float, int)}
+_DAEMON_KEYS = {
+    "buffer": (str, int),
+    "workers": int,
+    "retain": int,
+    "on_error": str,
+    "max_bad_rate": (float, int),
+    "worker_timeout": (float, int),
+}
 ON_ERROR = ("replace", "fail")
 _SOURCE_KEYS = {"image_folder": {"kind", "root", "name", "weight"}, "file_list": {"kind", "path", "name", "weight"}}
 
@@ -78,6 +86,7 @@ class Config:
     retain: int = DEFAULT_RETAIN
     on_error: str = "replace"
     max_bad_rate: float = 0.25
+    worker_timeout: float = 60.0
     sources: tuple[dict, ...] = ()
     mix: str = "cycle"
     transforms: tuple[dict, ...] = ()
@@ -234,6 +243,9 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
     elif specs:
         raise ConfigError("use either [pipeline] callable or [[transform]] entries, not both")
 
+    worker_timeout = float(daemon.get("worker_timeout", 60.0))
+    if worker_timeout <= 0:
+        raise ConfigError(f"[daemon] worker_timeout / --worker-timeout must be positive, got {worker_timeout}")
     return Config(
         name=name,
         seed=job.get("seed", 0),
@@ -245,6 +257,7 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
         retain=retain,
         on_error=on_error,
         max_bad_rate=max_bad_rate,
+        worker_timeout=worker_timeout,
         sources=sources,
         mix=mix,
         transforms=tuple(specs),

@@ -69,10 +69,11 @@ class JobDir:
         self._lock_fd = fd
 
     def prepare(self) -> None:
-        """Fresh sub-folders; leftovers of a dead daemon are swept (tmp files, old batches, socket)."""
+        """Sub-folders ready; a dead daemon's leftovers swept: its half-written files, socket and
+        manifest. Finished batches stay: the new master validates them and keeps what it can use."""
         for leftover in (self.paths.manifest, self.paths.socket):
             leftover.unlink(missing_ok=True)
-        for folder in (self.paths.tmp_dir, self.paths.batch_dir, self.paths.dir / "index"):
+        for folder in (self.paths.tmp_dir, self.paths.dir / "index"):
             shutil.rmtree(folder, ignore_errors=True)
         for folder in (self.paths.progress_dir, self.paths.batch_dir, self.paths.tmp_dir):
             folder.mkdir(mode=0o700, exist_ok=True)

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from prefetchd_client.batchfile import BatchLayout, FieldSpec
-from prefetchd_client.layout import JobPaths
+from prefetchd_client.batchfile import BatchFormatError, BatchLayout, FieldSpec, map_batch
+from prefetchd_client.layout import JobPaths, parse_batch_name
 
 from . import control
 from .config import Config, content_hash
@@ -50,6 +50,7 @@ _RESTART_BUDGET = 20  # worker deaths tolerated within _RESTART_WINDOW_S
 _RESTART_WINDOW_S = 60.0
 _TASK_ATTEMPTS = 3  # a batch that fails this often (not a bad sample) stops the daemon
 _RATE_WINDOW_S = 10.0
+_NO_SPACE_MIN_S, _NO_SPACE_MAX_S = 0.1, 2.0  # back-off range while the tmpfs is full
 _BAD_IN_A_ROW = 64  # unreadable samples in a row within a batch: the data, not a sample, is broken
 _BAD_RATE_MIN_SAMPLES = 1000  # judge the bad-sample rate only over this many samples
 _FORMAT_VERSION = 1
@@ -69,6 +70,7 @@ class WorkerSlot:
     conn: object
     ready: bool = False
     task: tuple[int, int] | None = None  # (rank, linear index)
+    last_heard: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -98,6 +100,7 @@ class Master:
         self._restarts: collections.deque[float] = collections.deque()
         self._attempts: collections.Counter = collections.Counter()
         self._retry_after: dict[tuple[int, int], float] = {}
+        self._no_space_delay, self._no_space_until = 0.0, 0.0
         self._context = zmq.Context()
         self._socket = None
         self._watcher = None
@@ -157,6 +160,7 @@ class Master:
         fields = self._await_first_worker()
         if cfg.pipeline is not None:
             self._set_layout(fields)
+        self.adopt_batches()
         self._socket = control.bind_server(self._context, self.paths.endpoint)
         self._watcher = ProgressWatcher(str(self.paths.progress_dir))
         self._watcher.start()
@@ -168,6 +172,38 @@ class Master:
             self.scheduler.window,
             format_size(cfg.buffer_bytes),
         )
+
+    def adopt_batches(self) -> None:
+        """Keep the valid batches a previous daemon of this job left; delete the rest.
+
+        Valid: a name inside the plan, a header that parses, this config's hash, this layout's
+        size. A torn write never reaches ``batches/`` (publication is a link of a complete file).
+        """
+        kept = dropped = 0
+        for entry in sorted(os.scandir(self.paths.batch_dir), key=lambda e: e.name):
+            if self._valid_leftover(entry):
+                epoch, step, rank = parse_batch_name(entry.name)
+                if self.scheduler.adopt(rank, self.plan.linear(epoch, step)):
+                    kept += 1
+                    continue
+            os.unlink(entry.path)
+            dropped += 1
+        self.scheduler.start_at_adopted()
+        if kept or dropped:
+            log.info("kept %d batches from a previous daemon, deleted %d", kept, dropped)
+
+    def _valid_leftover(self, entry: os.DirEntry) -> bool:
+        name = parse_batch_name(entry.name)
+        if name is None or not entry.is_file(follow_symlinks=False):
+            return False
+        epoch, step, rank = name
+        if step >= self.plan.batches_per_epoch or rank >= self.config.world_size:
+            return False
+        try:
+            header, _ = map_batch(entry.path)
+        except (OSError, BatchFormatError):
+            return False
+        return header["meta"].get("config_hash") == self.config_hash and entry.stat().st_size == self.layout.size
 
     def _set_layout(self, fields: list[FieldSpec]) -> None:
         self.layout = BatchLayout.plan(fields)
@@ -255,7 +291,10 @@ class Master:
         msgs = []
         try:
             while slot.conn.poll(0):
-                msgs.append(json.loads(slot.conn.recv_bytes()))
+                msg = json.loads(slot.conn.recv_bytes())
+                slot.last_heard = time.monotonic()
+                if msg["op"] != "heartbeat":
+                    msgs.append(msg)
         except (EOFError, OSError):
             pass  # the worker is gone; reap_workers notices
         return msgs
@@ -276,6 +315,9 @@ class Master:
         rank, index = slot.task
         slot.task = None
         self._attempts.pop((rank, index), None)
+        if self._no_space_delay:
+            log.info("space is back: producing again")
+            self._no_space_delay = 0.0
         self.produced += 1
         self._produce_rate.add(time.monotonic())
         for i, n in enumerate(msg["sources"][: len(self.produced_per_source)]):
@@ -320,6 +362,9 @@ class Master:
         if msg["sample"]:
             log.error("bad sample in batch e%d s%d r%d: %s", epoch, step, rank, msg["error"])
             raise DaemonStop(f"cannot read a sample: {msg['error']}", EXIT_SAMPLE_ERROR)
+        if msg.get("nospace"):
+            self._back_off_no_space(msg["error"])
+            return
         self._attempts[(rank, index)] += 1
         log.warning(
             "batch e%d s%d r%d failed (attempt %d):\n%s", epoch, step, rank, self._attempts[(rank, index)], msg["error"]
@@ -328,6 +373,28 @@ class Master:
             last = msg["error"].strip().splitlines()[-1]
             raise DaemonStop(f"batch e{epoch} s{step} r{rank} failed {_TASK_ATTEMPTS} times: {last}", EXIT_TASK_ERROR)
         self._retry_after[(rank, index)] = time.monotonic() + 0.5 * self._attempts[(rank, index)]
+
+    def _back_off_no_space(self, error: str) -> None:
+        """The tmpfs is full (someone else filled it): wait, longer each time, and retry."""
+        now = time.monotonic()
+        if self._no_space_delay == 0:
+            log.warning("the filesystem of %s is full (%s); backing off until space returns", self.paths.dir, error)
+        self._no_space_delay = min(max(2 * self._no_space_delay, _NO_SPACE_MIN_S), _NO_SPACE_MAX_S)
+        self._no_space_until = now + self._no_space_delay
+
+    def kill_hung_workers(self) -> None:
+        """A worker silent for --worker-timeout (stopped, or stuck holding the GIL) is killed;
+        reap_workers then replaces it and reissues its batch."""
+        now = time.monotonic()
+        for slot in self.workers:
+            if slot.process.is_alive() and now - slot.last_heard > self.config.worker_timeout:
+                log.warning(
+                    "worker pid %d silent for %.0f s (--worker-timeout); killing it",
+                    slot.process.pid,
+                    now - slot.last_heard,
+                )
+                slot.process.kill()
+                slot.process.join(5.0)
 
     def reap_workers(self) -> None:
         """Replace dead workers; their unfinished batch goes back to the scheduler."""
@@ -358,6 +425,8 @@ class Master:
 
     def assign_tasks(self) -> None:
         now = time.monotonic()
+        if now < self._no_space_until:
+            return
         for slot in self.workers:
             if not slot.ready or slot.task is not None:
                 continue
@@ -483,6 +552,7 @@ class Master:
                 "retain_per_rank": self.scheduler.retain,
             },
             "ranks": ranks,
+            "backing_off_no_space": self._no_space_delay > 0,
             "workers": {
                 "count": len(self.workers),
                 "busy": sum(s.task is not None for s in self.workers),
@@ -541,6 +611,7 @@ class Master:
                 self.handle_control()
                 for slot in self.workers:
                     self.collect_results(slot)
+                self.kill_hung_workers()
                 self.reap_workers()
                 self.read_progress_files()
                 self.assign_tasks()

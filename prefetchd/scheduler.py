@@ -86,3 +86,16 @@ class Scheduler:
     def task_abandoned(self, rank: int, index: int) -> None:
         """The batch was not produced (its worker died): it becomes missing again."""
         self.ranks[rank].in_flight.discard(index)
+
+    def adopt(self, rank: int, index: int) -> bool:
+        """Count a valid batch found in the buffer at start-up as ready; False if it does not fit."""
+        if self.held >= self.capacity:
+            return False
+        self.ranks[rank].ready.add(index)
+        return True
+
+    def start_at_adopted(self) -> None:
+        """Until its trainer reports, a rank is assumed at its first adopted batch (not at 0)."""
+        for state in self.ranks:
+            if state.ready:
+                state.position = min(state.ready)

@@ -5,16 +5,20 @@ small JSON spec. Messages on the pipe are JSON in both directions:
 
     master -> worker   {"op": "produce", "epoch": E, "step": K, "rank": R}  |  {"op": "stop"}
     worker -> master   {"op": "ready", "fields": [...]}  |  {"op": "boot_failed", "error": "..."}
+                       {"op": "heartbeat"}  (every second, from a thread)
                        {"op": "done", "epoch", "step", "rank", "published": bool, "sources": [n, ...],
                         "replaced": [{"slot", "index", "path", "error", "replacement"}], "longest_bad_run": n}
-                       {"op": "failed", "epoch", "step", "rank", "error": "...", "sample": bool}
+                       {"op": "failed", "epoch", "step", "rank", "error": "...", "sample": bool, "nospace": bool}
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
+import threading
+import time
 import traceback
 
 from .producer import BatchProducer, ProducerSpec, SampleError
@@ -22,8 +26,24 @@ from .producer import BatchProducer, ProducerSpec, SampleError
 _PARENT_CHECK_S = 1.0
 
 
+_HEARTBEAT_S = 1.0
+_send_lock = threading.Lock()  # the heartbeat thread and the main loop share the pipe
+
+
 def _send(conn, msg: dict) -> None:
-    conn.send_bytes(json.dumps(msg).encode())
+    data = json.dumps(msg).encode()
+    with _send_lock:
+        conn.send_bytes(data)
+
+
+def _send_heartbeats(conn) -> None:
+    """A stopped (SIGSTOP) or wedged worker stops beating: the master kills and replaces it."""
+    while True:
+        time.sleep(_HEARTBEAT_S)
+        try:
+            _send(conn, {"op": "heartbeat"})
+        except OSError:
+            return
 
 
 def worker_main(spec_json: str, conn) -> None:
@@ -31,6 +51,7 @@ def worker_main(spec_json: str, conn) -> None:
     # decides how workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     parent = os.getppid()
+    threading.Thread(target=_send_heartbeats, args=(conn,), daemon=True, name="heartbeat").start()
     try:
         producer = BatchProducer(ProducerSpec(**json.loads(spec_json)))
     except Exception:
@@ -63,6 +84,14 @@ def worker_main(spec_json: str, conn) -> None:
             )
         except SampleError as exc:
             _send(conn, {"op": "failed", "epoch": e, "step": k, "rank": r, "error": str(exc), "sample": True})
+        except OSError as exc:
+            # ENOSPC: something else filled the tmpfs; nothing was published, the master backs off.
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            error = str(exc) if full else traceback.format_exc(limit=-4)
+            _send(
+                conn,
+                {"op": "failed", "epoch": e, "step": k, "rank": r, "error": error, "sample": False, "nospace": full},
+            )
         except Exception:
             error = traceback.format_exc(limit=-4)
             _send(conn, {"op": "failed", "epoch": e, "step": k, "rank": r, "error": error, "sample": False})

@@ -218,8 +218,8 @@ def test_daemon_death_while_a_client_waits_raises_within_the_timeout(tmp_path, j
     pids = daemon_family(paths)
     master = pids[0]
     os.kill(master, signal.SIGSTOP)  # nothing more gets scheduled
-    loader = PrefetchLoader("job", timeout=30, as_tensors=False)
-    loader.load_state_dict({**loader.state_dict(), "epoch": 40})  # a batch that does not exist yet
+    loader = PrefetchLoader("job", timeout=30, restart_grace=1, as_tensors=False)
+    loader.load_state_dict({**loader.state_dict(), "epoch": 400})  # a batch that does not exist yet
     os.kill(master, signal.SIGKILL)
     started = time.monotonic()
     with pytest.raises(DaemonDied, match="stopped while rank 0 waited"):

@@ -58,21 +58,25 @@ class _EpochSampler:
         self._loader.set_epoch(epoch)
 
 
-def _last_error(log_path) -> str:
-    """The daemon's last logged error, to put the reason into the client's exception."""
+def _stop_reason(log_path) -> str | None:
+    """Why the daemon stopped, if its log ends with its own fatal error; None otherwise
+    (killed, or still running)."""
     try:
         with open(log_path, "rb") as f:
             f.seek(0, os.SEEK_END)
             f.seek(max(0, f.tell() - 8192))
-            lines = f.read().decode("utf-8", "replace").splitlines()
+            lines = f.read().decode("utf-8", "replace").strip().splitlines()
     except OSError:
-        return ""
-    errors = [line.split(" ERROR ", 1)[1] for line in lines if " ERROR " in line]
-    return f" ({errors[-1]})" if errors else ""
+        return None
+    last = lines[-1] if lines else ""
+    return last.split(" ERROR stopped: ", 1)[1] if " ERROR stopped: " in last else None
 
 
 class PrefetchLoader:
     """Iterate the batches of rank ``rank`` of the prefetchd job ``job``.
+
+    ``timeout``: seconds to wait for one batch. ``restart_grace``: seconds a waiting loader
+    gives a dead daemon to be restarted before it raises DaemonDied.
 
     Batches are dicts of torch tensors (numpy arrays when torch is absent) mapped from the
     batch file: ``image`` uint8 [B, H, W, 3], ``label`` int64 [B], ``index`` int64 [B].
@@ -86,6 +90,7 @@ class PrefetchLoader:
         world_size: int | None = None,
         root: str | os.PathLike | None = None,
         timeout: float = 120.0,
+        restart_grace: float = 10.0,
         as_tensors: bool | None = None,
     ):
         self._paths = JobPaths.of(job, root)
@@ -95,6 +100,7 @@ class PrefetchLoader:
         self.world_size = default_world if world_size is None else int(world_size)
         self._check_plan()
         self.timeout = float(timeout)
+        self.restart_grace = float(restart_grace)
         self._torch = _torch() if as_tensors in (None, True) else None
         if as_tensors and self._torch is None:
             raise ImportError("as_tensors=True needs torch; install it or pass as_tensors=False")
@@ -237,7 +243,7 @@ class PrefetchLoader:
         path = self._paths.batch(epoch, step, self.rank)
         start = time.monotonic()
         deadline, next_check = start + self.timeout, start + _LIVENESS_CHECK_S
-        delay = 0.0002
+        delay, dead_since = 0.0002, None
         while True:
             try:
                 _, arrays = batchfile.map_batch(path)
@@ -246,10 +252,15 @@ class PrefetchLoader:
                 pass
             now = time.monotonic()
             if now >= next_check:
-                if not daemon_alive(self._paths):
+                # A daemon restarted within restart_grace (same job, e.g. after kill -9) serves
+                # on: the reports below reach the new one and it makes what is missing.
+                alive = daemon_alive(self._paths)
+                dead_since = None if alive else (dead_since or now)
+                reason = None if alive else _stop_reason(self._paths.log)
+                if reason is not None or (dead_since is not None and now - dead_since >= self.restart_grace):
                     raise DaemonDied(
                         f"the daemon of job {self._paths.name!r} stopped while rank {self.rank} waited for "
-                        f"epoch {epoch} step {step}{_last_error(self._paths.log)}; see {self._paths.log} "
+                        f"epoch {epoch} step {step}{f' ({reason})' if reason else ''}; see {self._paths.log} "
                         "and restart it with `prefetchd start`"
                     )
                 self._report(epoch, step)
