@@ -22,8 +22,8 @@ from .sizes import format_size
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Prefetch augmented training batches into a tmpfs buffer."
 )
-err = Console(stderr=True)
-out = Console()
+err = Console(stderr=True, soft_wrap=True)  # never break a path across lines
+out = Console(soft_wrap=True)
 
 RootOpt = Annotated[
     Optional[Path],

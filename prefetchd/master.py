@@ -407,7 +407,9 @@ class Master:
             slot.conn.close()
             if slot.task is not None:
                 self.scheduler.task_abandoned(*slot.task)
-            if not slot.ready:
+            if not slot.ready and code is not None and code >= 0:
+                # It ended by itself before booting (a crash in an import, say): respawning would
+                # loop. Killed by a signal (code < 0) is a death like any other.
                 raise DaemonStop(
                     f"a worker exited with code {code} before it booted; see {self.paths.log}", EXIT_WORKER_BOOT
                 )

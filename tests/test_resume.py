@@ -35,12 +35,10 @@ def read(job: str, rank: int, world: int, *, state=None, stop_after=None, epochs
     if state is not None:
         loader.load_state_dict(json.loads(json.dumps(state)))  # as a checkpoint would carry it
     seen = []
-    while len(seen) != stop_after:
-        epoch = loader.position[0] if loader.position[1] < len(loader) else loader.position[0] + 1
-        if epoch >= epochs:
-            break
-        for batch in loader:
-            seen.append((epoch, loader.position[1] - 1, digest(batch)))
+    while len(seen) != stop_after and loader.position[0] < epochs:
+        epoch, first = loader.position
+        for step, batch in enumerate(loader, start=first):
+            seen.append((epoch, step, digest(batch)))
             if len(seen) == stop_after:
                 break
     state = loader.state_dict()

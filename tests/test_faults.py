@@ -1,0 +1,143 @@
+"""Faults: killed and stopped workers, a killed daemon, a full tmpfs. The stream a trainer
+reads must stay byte-for-byte the fault-free one, with nothing lost or duplicated."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+import numpy as np
+import psutil
+import pytest
+
+from prefetchd import control
+from prefetchd_client import PrefetchLoader
+from prefetchd_client.layout import read_manifest
+
+from .conftest import cli, daemon_family, start_job, wait_until, write_config
+from .test_resume import digest, read
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def workers_of(paths) -> list[psutil.Process]:
+    """The live workers (a killed one may linger as a zombie until the master reaps it)."""
+    found = []
+    for p in psutil.Process(read_manifest(paths)["pid"]).children():
+        try:
+            if "spawn_main" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:
+            pass
+    return found
+
+
+def reference_stream(tmp_path, jpeg_folder, **kw) -> list:
+    start_job(write_config(tmp_path, jpeg_folder, name="ref", **kw))
+    stream, _ = read("ref", 0, 1)
+    assert cli("stop", "ref").returncode == 0
+    return stream
+
+
+def test_killed_workers_are_replaced_and_nothing_is_lost_or_duplicated(tmp_path, jpeg_folder, job_root):
+    kw = dict(batch_size=4, workers=2, seed=13, buffer="200K")
+    expected = reference_stream(tmp_path, jpeg_folder, **kw)
+    paths = start_job(write_config(tmp_path, jpeg_folder, name="job", **kw))
+    rng = np.random.default_rng(0)
+    loader = PrefetchLoader("job", as_tensors=False, timeout=60)
+    got, kills = [], 0
+    for epoch in range(2):
+        for step, batch in enumerate(loader):
+            got.append((epoch, step, digest(batch)))
+            live = workers_of(paths)
+            if live and rng.random() < 0.6:  # kill -9 a random worker, mid-production
+                live[rng.integers(len(live))].kill()
+                kills += 1
+    loader.close()
+    assert kills >= 10
+    assert got == expected
+    status = control.request(paths.endpoint, {"op": "status"})
+    assert status["workers"]["restarts"] >= 1 and status["workers"]["count"] == 2
+
+
+def test_a_stopped_worker_is_detected_and_replaced(tmp_path, jpeg_folder, job_root):
+    paths = start_job(
+        write_config(tmp_path, jpeg_folder, batch_size=4, workers=1, buffer="100K"), "--worker-timeout", "2"
+    )
+    (worker,) = workers_of(paths)
+    worker.suspend()  # SIGSTOP: alive, silent
+    started = time.monotonic()
+    stream, _ = read("job", 0, 1, epochs=1)
+    assert len(stream) == 12
+    wait_until(lambda: not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE, what="stopped worker gone")
+    assert time.monotonic() - started < 30
+    assert "silent for" in paths.log.read_text()
+    assert control.request(paths.endpoint, {"op": "status"})["workers"]["restarts"] == 1
+
+
+def test_a_killed_daemon_restarts_with_its_batches_and_a_waiting_client_carries_on(tmp_path, jpeg_folder, job_root):
+    kw = dict(batch_size=4, workers=1, seed=17, buffer="400K")
+    expected = reference_stream(tmp_path, jpeg_folder, **kw)
+    config = write_config(tmp_path, jpeg_folder, name="job", **kw)
+    paths = start_job(config)
+    wait_until(lambda: len(os.listdir(paths.batch_dir)) >= 8, what="some batches")
+    loader = PrefetchLoader("job", as_tensors=False, timeout=60, restart_grace=20)
+    got = []
+    for epoch in range(2):
+        for step, batch in enumerate(loader):
+            got.append((epoch, step, digest(batch)))
+            if (epoch, step) == (0, 3):
+                family = daemon_family(paths)
+                for pid in family:  # kill -9 the master and its workers at once
+                    os.kill(pid, signal.SIGKILL)
+                kept_before = len(os.listdir(paths.batch_dir))
+                restart = subprocess.Popen(["sleep", "1"])  # restart a moment later, while we wait
+                restart.wait()
+                start_job(config)
+    loader.close()
+    assert got == expected
+    assert kept_before > 0 and "kept" in paths.log.read_text()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m,mode=700", "tmpfs", str(mount)], capture_output=True, text=True
+    )
+    if result.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_a_full_tmpfs_makes_the_daemon_wait_not_crash(tmp_path, jpeg_folder, small_tmpfs, monkeypatch):
+    monkeypatch.setenv("PREFETCHD_ROOT", str(small_tmpfs / "root"))
+    # A 3 MiB bound on a 4 MiB tmpfs: while the daemon fills it, someone else takes the rest.
+    paths = start_job(write_config(tmp_path, jpeg_folder, batch_size=4, buffer="3M", size=32), "--retain", "0")
+    filler = small_tmpfs / "filler"
+    try:
+        with open(filler, "wb", buffering=0) as f:
+            try:
+                while True:
+                    f.write(b"\0" * (16 << 10))
+            except OSError:
+                pass
+
+        def backing_off():
+            reply = control.request(paths.endpoint, {"op": "status"})
+            assert reply is not None, "the daemon stopped answering while the tmpfs was full"
+            return reply["backing_off_no_space"]
+
+        wait_until(backing_off, what="back-off while full")
+        assert not list(paths.tmp_dir.iterdir())  # no partial batch left behind
+        filler.unlink()  # space returns
+        wait_until(lambda: not backing_off(), what="recovery once space returns")
+        stream, _ = read("job", 0, 1, epochs=2)
+        assert [(e, k) for e, k, _ in stream] == [(e, k) for e in range(2) for k in range(12)]
+        assert control.request(paths.endpoint, {"op": "status"})["buffer"]["peak_bytes"] <= 3 << 20
+    finally:
+        assert cli("stop", "job").returncode == 0
