@@ -34,6 +34,7 @@ _STOP_TIMEOUT_S = 15.0
 
 
 def serve(config: Config, paths: JobPaths, *, keep: bool, notify: Callable[[dict], None], detach_output: bool) -> int:
+    os.umask(0o077)  # whatever the daemon or a library creates (the socket, logs) is the user's alone
     master = Master(config, paths, keep=keep)
     try:
         master.start()
