@@ -56,6 +56,9 @@ def start(
     worker_timeout: Annotated[
         Optional[float], typer.Option(help="Seconds without a heartbeat before a worker is replaced [60]")
     ] = None,
+    max_worker_restarts: Annotated[
+        Optional[int], typer.Option(help="Worker deaths tolerated per minute before stopping [20]")
+    ] = None,
     name: Annotated[Optional[str], typer.Option(help="Job name [default: config's, else its file name]")] = None,
     seed: Annotated[Optional[int], typer.Option()] = None,
     world_size: Annotated[Optional[int], typer.Option(help="Trainer ranks that read this job")] = None,
@@ -76,6 +79,7 @@ def start(
         on_error=on_error,
         max_bad_rate=max_bad_rate,
         worker_timeout=worker_timeout,
+        max_worker_restarts=max_worker_restarts,
         name=name,
         seed=seed,
         world_size=world_size,

@@ -15,6 +15,7 @@ retain = 2               # consumed batches kept per rank: a restart a few steps
 on_error = "replace"     # a bad sample: "replace" it (recorded in the batch header) or "fail"
 max_bad_rate = 0.25      # stop when more of the samples than this are bad
 worker_timeout = 60      # seconds without a heartbeat before a worker is killed and replaced
+max_worker_restarts = 20 # worker deaths tolerated per minute before the daemon stops
 
 [[source]]
 kind = "image_folder"    # or "file_list" with path = "train.txt" ("path,label" lines)
@@ -65,6 +66,7 @@ _DAEMON_KEYS = {
     "on_error": str,
     "max_bad_rate": (float, int),
     "worker_timeout": (float, int),
+    "max_worker_restarts": int,
 }
 ON_ERROR = ("replace", "fail")
 _SOURCE_KEYS = {"image_folder": {"kind", "root", "name", "weight"}, "file_list": {"kind", "path", "name", "weight"}}
@@ -87,6 +89,7 @@ class Config:
     on_error: str = "replace"
     max_bad_rate: float = 0.25
     worker_timeout: float = 60.0
+    max_worker_restarts: int = 20
     sources: tuple[dict, ...] = ()
     mix: str = "cycle"
     transforms: tuple[dict, ...] = ()
@@ -246,6 +249,11 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
     worker_timeout = float(daemon.get("worker_timeout", 60.0))
     if worker_timeout <= 0:
         raise ConfigError(f"[daemon] worker_timeout / --worker-timeout must be positive, got {worker_timeout}")
+    max_worker_restarts = daemon.get("max_worker_restarts", 20)
+    if max_worker_restarts < 0:
+        raise ConfigError(
+            f"[daemon] max_worker_restarts / --max-worker-restarts must be 0 or more, got {max_worker_restarts}"
+        )
     return Config(
         name=name,
         seed=job.get("seed", 0),
@@ -258,6 +266,7 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
         on_error=on_error,
         max_bad_rate=max_bad_rate,
         worker_timeout=worker_timeout,
+        max_worker_restarts=max_worker_restarts,
         sources=sources,
         mix=mix,
         transforms=tuple(specs),

@@ -46,8 +46,7 @@ EXIT_BAD_DATA = 9
 _WORKER_BOOT_TIMEOUT_S = 120.0
 _WORKER_STOP_TIMEOUT_S = 5.0
 _LOOP_TICK_MS = 50
-_RESTART_BUDGET = 20  # worker deaths tolerated within _RESTART_WINDOW_S
-_RESTART_WINDOW_S = 60.0
+_RESTART_WINDOW_S = 60.0  # --max-worker-restarts counts deaths within this window
 _TASK_ATTEMPTS = 3  # a batch that fails this often (not a bad sample) stops the daemon
 _RATE_WINDOW_S = 10.0
 _NO_SPACE_MIN_S, _NO_SPACE_MAX_S = 0.1, 2.0  # back-off range while the tmpfs is full
@@ -416,7 +415,7 @@ class Master:
             self._restarts.append(now)
             while self._restarts and self._restarts[0] < now - _RESTART_WINDOW_S:
                 self._restarts.popleft()
-            if len(self._restarts) > _RESTART_BUDGET:
+            if len(self._restarts) > self.config.max_worker_restarts:
                 raise DaemonStop(
                     f"{len(self._restarts)} workers died within {_RESTART_WINDOW_S:.0f} s (last exit code {code}); "
                     f"stopping instead of restarting forever; see {self.paths.log}",

@@ -38,6 +38,27 @@ def test_bad_sizes_say_what_is_accepted(text):
         parse_size(text)
 
 
+def test_every_daemon_key_is_accepted_in_the_file():
+    daemon = {
+        "buffer": "2G",
+        "workers": 3,
+        "retain": 4,
+        "on_error": "fail",
+        "max_bad_rate": 0.5,
+        "worker_timeout": 30,
+        "max_worker_restarts": 5,
+    }
+    cfg = build({"daemon": daemon})
+    assert (cfg.workers, cfg.retain, cfg.on_error, cfg.max_bad_rate, cfg.worker_timeout, cfg.max_worker_restarts) == (
+        3,
+        4,
+        "fail",
+        0.5,
+        30.0,
+        5,
+    )
+
+
 def test_defaults_and_overrides():
     cfg = build({"job": {"batch_size": 8, "world_size": 2}}, batch_size=16, buffer="2G", seed=5)
     assert (cfg.name, cfg.batch_size, cfg.world_size, cfg.seed, cfg.drop_last) == ("x", 16, 2, 5, True)
