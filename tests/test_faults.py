@@ -155,3 +155,14 @@ def test_a_full_tmpfs_makes_the_daemon_wait_not_crash(tmp_path, jpeg_folder, sma
         assert control.request(paths.endpoint, {"op": "status"})["buffer"]["peak_bytes"] <= 3 << 20
     finally:
         assert cli("stop", "job").returncode == 0
+
+
+def test_worker_deaths_beyond_the_budget_stop_the_daemon(tmp_path, jpeg_folder, job_root):
+    paths = start_job(write_config(tmp_path, jpeg_folder, workers=1), "--max-worker-restarts", "2")
+    for _ in range(3):
+        worker = wait_until(lambda: workers_of(paths), what="a live worker")[0]
+        worker.kill()
+        worker.wait(10)
+    wait_until(lambda: "stopping instead of restarting forever" in paths.log.read_text(), what="budget stop")
+    assert sorted(p.name for p in paths.dir.iterdir()) == ["daemon.lock", "daemon.log"]
+    assert cli("stop", "job").returncode == 0
