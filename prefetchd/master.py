@@ -31,6 +31,7 @@ from .progress_watch import ProgressWatcher
 from .scheduler import Scheduler
 from .sizes import format_size
 from .sources import build_index
+from .status import Rates, job_status
 from .worker import worker_main
 
 log = logging.getLogger("prefetchd")
@@ -48,7 +49,6 @@ _WORKER_STOP_TIMEOUT_S = 5.0
 _LOOP_TICK_MS = 50
 _RESTART_WINDOW_S = 60.0  # --max-worker-restarts counts deaths within this window
 _TASK_ATTEMPTS = 3  # a batch that fails this often (not a bad sample) stops the daemon
-_RATE_WINDOW_S = 10.0
 _NO_SPACE_MIN_S, _NO_SPACE_MAX_S = 0.1, 2.0  # back-off range while the tmpfs is full
 _BAD_IN_A_ROW = 64  # unreadable samples in a row within a batch: the data, not a sample, is broken
 _BAD_RATE_MIN_SAMPLES = 1000  # judge the bad-sample rate only over this many samples
@@ -70,21 +70,6 @@ class WorkerSlot:
     ready: bool = False
     task: tuple[int, int] | None = None  # (rank, linear index)
     last_heard: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class Rates:
-    """Events in the last _RATE_WINDOW_S seconds, for the status rates."""
-
-    events: collections.deque = field(default_factory=collections.deque)
-
-    def add(self, now: float, n: int = 1) -> None:
-        self.events.append((now, n))
-
-    def per_second(self, now: float) -> float:
-        while self.events and self.events[0][0] < now - _RATE_WINDOW_S:
-            self.events.popleft()
-        return sum(n for _, n in self.events) / _RATE_WINDOW_S
 
 
 class Master:
@@ -511,83 +496,7 @@ class Master:
                 log.warning("ignored progress file of rank %d: %s", rank, exc)
 
     def status(self) -> dict:
-        now = time.monotonic()
-        size = self.layout.size
-        fs_bytes = 0
-        for folder in (self.paths.batch_dir, self.paths.tmp_dir):
-            with os.scandir(folder) as entries:
-                for e in entries:
-                    try:
-                        fs_bytes += e.stat().st_size
-                    except FileNotFoundError:
-                        pass
-        ranks = []
-        for r, state in enumerate(self.scheduler.ranks):
-            epoch, step = self.plan.unlinear(state.position)
-            last = self._last_report.get(r)
-            ranks.append(
-                {
-                    "rank": r,
-                    "epoch": epoch,
-                    "step": step,
-                    "ready": len(state.ready),
-                    "in_flight": len(state.in_flight),
-                    "consumed": state.consumed,
-                    "last_report_s_ago": None if last is None else round(now - last, 3),
-                }
-            )
-        produced_per_s = self._produce_rate.per_second(now)
-        consumed_per_s = self._consume_rate.per_second(now)
-        return {
-            "job": self.paths.name,
-            "pid": os.getpid(),
-            "uptime_s": round(time.time() - self.started_at, 1),
-            "batches_per_epoch": self.plan.batches_per_epoch,
-            "buffer": {
-                "bound_bytes": self.config.buffer_bytes,
-                "used_bytes": self.scheduler.held * size,
-                "files_bytes": fs_bytes,
-                "peak_bytes": self.peak_bytes,
-                "batch_bytes": size,
-                "window_per_rank": self.scheduler.window,
-                "retain_per_rank": self.scheduler.retain,
-            },
-            "ranks": ranks,
-            "backing_off_no_space": self._no_space_delay > 0,
-            "workers": {
-                "count": len(self.workers),
-                "busy": sum(s.task is not None for s in self.workers),
-                "restarts": len(self._restarts),
-            },
-            "rates": {
-                "produced_batches_per_s": round(produced_per_s, 2),
-                "consumed_batches_per_s": round(consumed_per_s, 2),
-                "produced_images_per_s": round(produced_per_s * self.config.batch_size, 1),
-                "consumed_images_per_s": round(consumed_per_s * self.config.batch_size, 1),
-            },
-            "sources": self._mix_status(),
-            "totals": {
-                "produced": self.produced,
-                "deleted": self.deleted,
-                "bad_samples": self.bad_samples,
-                "bad_messages": self.bad_messages,
-            },
-        }
-
-    def _mix_status(self) -> list[dict]:
-        """Each source's configured share and its realised share of the samples produced."""
-        total = sum(self.produced_per_source)
-        configured = self.plan.source_counts() / self.plan.epoch_length if self.plan.mixing else None
-        return [
-            {
-                "name": name,
-                "weight": src.get("weight"),
-                "configured_share": None if configured is None else round(float(configured[i]), 4),
-                "realised_share": round(n / total, 4) if total else None,
-                "samples_produced": n,
-            }
-            for i, (name, src, n) in enumerate(zip(self.source_names, self.config.sources, self.produced_per_source))
-        ]
+        return job_status(self)
 
     # -- the loop ------------------------------------------------------------------------
 
