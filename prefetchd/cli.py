@@ -59,6 +59,9 @@ def start(
     max_worker_restarts: Annotated[
         Optional[int], typer.Option(help="Worker deaths tolerated per minute before stopping [20]")
     ] = None,
+    on_trainer_exit: Annotated[
+        Optional[str], typer.Option(help="A rank's trainer is gone: keep its window (default) or release it")
+    ] = None,
     name: Annotated[Optional[str], typer.Option(help="Job name [default: config's, else its file name]")] = None,
     seed: Annotated[Optional[int], typer.Option()] = None,
     world_size: Annotated[Optional[int], typer.Option(help="Trainer ranks that read this job")] = None,
@@ -80,6 +83,7 @@ def start(
         max_bad_rate=max_bad_rate,
         worker_timeout=worker_timeout,
         max_worker_restarts=max_worker_restarts,
+        on_trainer_exit=on_trainer_exit,
         name=name,
         seed=seed,
         world_size=world_size,
@@ -133,10 +137,11 @@ def _print_status(s: dict) -> None:
         f"{s['totals']['bad_samples']} bad samples replaced",
         highlight=False,
     )
-    table = Table("rank", "epoch", "step", "ready", "in flight", "consumed", "last report", box=None)
+    table = Table("rank", "trainer", "epoch", "step", "ready", "in flight", "consumed", "last report", box=None)
     for rk in s["ranks"]:
         age = "never" if rk["last_report_s_ago"] is None else f"{rk['last_report_s_ago']:.1f} s ago"
-        table.add_row(*(str(rk[k]) for k in ("rank", "epoch", "step", "ready", "in_flight", "consumed")), age)
+        columns = ("rank", "trainer", "epoch", "step", "ready", "in_flight", "consumed")
+        table.add_row(*(str(rk[k]) for k in columns), age)
     out.print(table)
 
 

@@ -16,6 +16,7 @@ on_error = "replace"     # a bad sample: "replace" it (recorded in the batch hea
 max_bad_rate = 0.25      # stop when more of the samples than this are bad
 worker_timeout = 60      # seconds without a heartbeat before a worker is killed and replaced
 max_worker_restarts = 20 # worker deaths tolerated per minute before the daemon stops
+on_trainer_exit = "keep" # a rank's trainer process is gone: "keep" its window (warm restart) or "release" it
 
 [[source]]
 kind = "image_folder"    # or "file_list" with path = "train.txt" ("path,label" lines)
@@ -67,7 +68,9 @@ _DAEMON_KEYS = {
     "max_bad_rate": (float, int),
     "worker_timeout": (float, int),
     "max_worker_restarts": int,
+    "on_trainer_exit": str,
 }
+ON_TRAINER_EXIT = ("keep", "release")
 ON_ERROR = ("replace", "fail")
 _SOURCE_KEYS = {"image_folder": {"kind", "root", "name", "weight"}, "file_list": {"kind", "path", "name", "weight"}}
 
@@ -90,6 +93,7 @@ class Config:
     max_bad_rate: float = 0.25
     worker_timeout: float = 60.0
     max_worker_restarts: int = 20
+    on_trainer_exit: str = "keep"
     sources: tuple[dict, ...] = ()
     mix: str = "cycle"
     transforms: tuple[dict, ...] = ()
@@ -254,6 +258,12 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
         raise ConfigError(
             f"[daemon] max_worker_restarts / --max-worker-restarts must be 0 or more, got {max_worker_restarts}"
         )
+    on_trainer_exit = daemon.get("on_trainer_exit", "keep")
+    if on_trainer_exit not in ON_TRAINER_EXIT:
+        raise ConfigError(
+            f"[daemon] on_trainer_exit / --on-trainer-exit must be one of {', '.join(ON_TRAINER_EXIT)}, "
+            f"got {on_trainer_exit!r}"
+        )
     return Config(
         name=name,
         seed=job.get("seed", 0),
@@ -267,6 +277,7 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
         max_bad_rate=max_bad_rate,
         worker_timeout=worker_timeout,
         max_worker_restarts=max_worker_restarts,
+        on_trainer_exit=on_trainer_exit,
         sources=sources,
         mix=mix,
         transforms=tuple(specs),

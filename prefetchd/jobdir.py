@@ -75,7 +75,12 @@ class JobDir:
             leftover.unlink(missing_ok=True)
         for folder in (self.paths.tmp_dir, self.paths.dir / "index"):
             shutil.rmtree(folder, ignore_errors=True)
-        for folder in (self.paths.progress_dir, self.paths.batch_dir, self.paths.tmp_dir):
+        for folder in (
+            self.paths.progress_dir,
+            self.paths.batch_dir,
+            self.paths.tmp_dir,
+            self.paths.trainers_dir,
+        ):
             folder.mkdir(mode=0o700, exist_ok=True)
 
     def remove(self, keep: list[Path] = ()) -> None:

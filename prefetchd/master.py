@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from prefetchd_client.batchfile import BatchFormatError, BatchLayout, FieldSpec, map_batch
-from prefetchd_client.layout import JobPaths, parse_batch_name
+from prefetchd_client.layout import JobPaths, parse_batch_name, trainer_state
 
 from . import control
 from .config import Config, content_hash
@@ -49,6 +49,7 @@ _WORKER_STOP_TIMEOUT_S = 5.0
 _LOOP_TICK_MS = 50
 _RESTART_WINDOW_S = 60.0  # --max-worker-restarts counts deaths within this window
 _TASK_ATTEMPTS = 3  # a batch that fails this often (not a bad sample) stops the daemon
+_TRAINER_CHECK_S = 1.0
 _NO_SPACE_MIN_S, _NO_SPACE_MAX_S = 0.1, 2.0  # back-off range while the tmpfs is full
 _BAD_IN_A_ROW = 64  # unreadable samples in a row within a batch: the data, not a sample, is broken
 _BAD_RATE_MIN_SAMPLES = 1000  # judge the bad-sample rate only over this many samples
@@ -94,6 +95,8 @@ class Master:
         self._produce_rate, self._consume_rate = Rates(), Rates()
         self._last_report: dict[int, float] = {}
         self.started_at = time.time()
+        self.trainers = ["never"] * config.world_size  # per rank: "alive", "gone" or "never"
+        self._next_trainer_check = 0.0
 
     # -- start-up ------------------------------------------------------------------------
 
@@ -485,6 +488,22 @@ class Master:
             self.stop_reason = DaemonStop("stop requested", EXIT_OK)
         return {"ok": True, "pid": os.getpid()}
 
+    def check_trainers(self) -> None:
+        """Tell a trainer that is gone (its process, and so its lock, ended) from a paused one
+        (lock held, no reports); by policy, release the window of a gone one."""
+        now = time.monotonic()
+        if now < self._next_trainer_check:
+            return
+        self._next_trainer_check = now + _TRAINER_CHECK_S
+        for rank in range(self.config.world_size):
+            state = trainer_state(self.paths, rank)
+            if state == "gone" and self.trainers[rank] == "alive":
+                log.info("the trainer of rank %d is gone (%s its window)", rank, self.config.on_trainer_exit)
+                if self.config.on_trainer_exit == "release":
+                    for index in self.scheduler.park(rank):
+                        self.delete_batch(rank, index)
+            self.trainers[rank] = state
+
     def read_progress_files(self) -> None:
         for rank in self._watcher.drain():
             position = self._watcher.read(rank)
@@ -524,6 +543,7 @@ class Master:
                 self.kill_hung_workers()
                 self.reap_workers()
                 self.read_progress_files()
+                self.check_trainers()
                 self.assign_tasks()
         except DaemonStop as stop:
             self.stop_reason = stop

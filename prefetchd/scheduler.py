@@ -25,6 +25,7 @@ class RankState:
     ready: set[int] = field(default_factory=set)
     in_flight: set[int] = field(default_factory=set)
     consumed: int = 0  # batches deleted because the rank passed them
+    parked: bool = False  # its trainer is gone and the policy released its window
 
 
 class Scheduler:
@@ -50,6 +51,7 @@ class Scheduler:
     def move_position(self, rank: int, index: int) -> list[int]:
         """Record that ``rank`` will read ``index`` next; returns ready batches to delete."""
         state = self.ranks[rank]
+        state.parked = False  # a report means a trainer reads this rank again
         if index > state.position:
             state.consumed += sum(1 for i in state.ready if state.position <= i < index)
         state.position = index
@@ -63,6 +65,8 @@ class Scheduler:
             return None
         best = None
         for rank, state in enumerate(self.ranks):
+            if state.parked:
+                continue
             for distance in range(self.window):
                 index = state.position + distance
                 if index not in state.ready and index not in state.in_flight:
@@ -78,10 +82,19 @@ class Scheduler:
         """The batch is published; True if it stays, False if it must be deleted (left its window)."""
         state = self.ranks[rank]
         state.in_flight.discard(index)
-        if self._in_window(rank, index):
+        if self._in_window(rank, index) and not state.parked:
             state.ready.add(index)
             return True
         return False
+
+    def park(self, rank: int) -> list[int]:
+        """Release the window of a rank whose trainer is gone: returns its ready batches to delete;
+        nothing more is made for it until it reports a position again."""
+        state = self.ranks[rank]
+        state.parked = True
+        doomed = sorted(state.ready)
+        state.ready.clear()
+        return doomed
 
     def task_abandoned(self, rank: int, index: int) -> None:
         """The batch was not produced (its worker died): it becomes missing again."""

@@ -48,6 +48,7 @@ def job_status(m) -> dict:
         ranks.append(
             {
                 "rank": r,
+                "trainer": m.trainers[r],
                 "epoch": epoch,
                 "step": step,
                 "ready": len(state.ready),

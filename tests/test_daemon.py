@@ -329,3 +329,22 @@ def test_verify_regenerates_a_published_batch_bit_for_bit(tmp_path, jpeg_folder,
     path.write_bytes(bytes(data))
     tampered = cli("verify", "job", "--epoch", "0", "--step", "3")
     assert tampered.returncode == 1 and "differs" in tampered.stderr
+
+
+@pytest.mark.parametrize("policy", ["keep", "release"])
+def test_a_gone_trainer_is_told_from_a_paused_one(tmp_path, jpeg_folder, job_root, policy):
+    paths = start_job(write_config(tmp_path, jpeg_folder, buffer="200K"), "--on-trainer-exit", policy)
+    window = read_manifest(paths)["window_per_rank"]
+    paused = PrefetchLoader("job", as_tensors=False)  # alive, reads nothing: a long evaluation
+    wait_until(lambda: status(paths)["ranks"][0]["trainer"] == "alive", what="trainer seen alive")
+    wait_until(lambda: len(batch_files(paths)) == window, what="window filled while paused")
+    paused.close()  # this process is the trainer: ending the loader is its exit
+    wait_until(lambda: status(paths)["ranks"][0]["trainer"] == "gone", what="trainer seen gone")
+    if policy == "keep":
+        assert len(batch_files(paths)) == window  # warm for the restart
+    else:
+        wait_until(lambda: batch_files(paths) == [], what="window released")
+    back = PrefetchLoader("job", as_tensors=False)  # the restarted trainer
+    assert len([b for b in back]) == 12
+    wait_until(lambda: status(paths)["ranks"][0]["trainer"] == "alive", what="trainer seen alive again")
+    back.close()

@@ -89,3 +89,14 @@ def test_retained_batches_stay_behind_the_position_within_the_share():
     assert s.ranks[0].ready == {1, 2, 3, 4, 5} and s.held == 5
     assert s.move_position(0, 2) == [5]  # a restart two steps back: 2 is ready, 5 now too far
     assert s.ranks[0].ready == {1, 2, 3, 4} and s.next_task() is None  # nothing behind is remade
+
+
+def test_a_parked_rank_gets_nothing_until_it_reports_again():
+    s = Scheduler(world_size=2, capacity=4)
+    drain(s)
+    assert s.park(0) == [0, 1]
+    assert drain(s) == []  # rank 1's window is full, rank 0 is parked
+    s.move_position(1, 1)
+    assert drain(s) == [(1, 2)]
+    s.move_position(0, 0)  # its trainer is back
+    assert drain(s) == [(0, 0), (0, 1)]

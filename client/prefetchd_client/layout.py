@@ -11,6 +11,7 @@ environment finds a job by its name alone::
       progress/rank-<r>  "<epoch> <step>": the next batch rank r will read
       batches/           finished batches, e<epoch>-s<step>-r<rank>.batch
       tmp/               batches being written
+      trainers/rank-<r>  flock held (shared) by every live loader of rank r
 
 root is the ``root`` argument, else ``$PREFETCHD_ROOT``, else ``/dev/shm/prefetchd-<uid>``.
 """
@@ -33,6 +34,7 @@ LOG = "daemon.log"
 PROGRESS_DIR = "progress"
 BATCH_DIR = "batches"
 TMP_DIR = "tmp"
+TRAINERS_DIR = "trainers"
 
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _BATCH_NAME = re.compile(r"^e(\d{6})-s(\d{8})-r(\d{4})\.batch$")
@@ -106,6 +108,13 @@ class JobPaths:
     def batch(self, epoch: int, step: int, rank: int) -> Path:
         return self.batch_dir / batch_name(epoch, step, rank)
 
+    @property
+    def trainers_dir(self) -> Path:
+        return self.dir / TRAINERS_DIR
+
+    def trainer_lock(self, rank: int) -> Path:
+        return self.trainers_dir / f"rank-{rank}"
+
     def progress(self, rank: int) -> Path:
         return self.progress_dir / f"rank-{rank}"
 
@@ -165,6 +174,38 @@ def daemon_alive(paths: JobPaths) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def hold_trainer_lock(paths: JobPaths, rank: int) -> int | None:
+    """Take a shared flock that says "a trainer of this rank is alive"; returns the fd to keep.
+
+    The kernel drops it when the process dies, however it dies, so the daemon can tell a
+    trainer that is gone from one that is only paused. None if the job has no such folder.
+    """
+    try:
+        fd = os.open(paths.trainer_lock(rank), os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        return None
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def trainer_state(paths: JobPaths, rank: int) -> str:
+    """ "alive" (some loader holds the rank's lock), "gone" (one did, none does) or "never"."""
+    try:
+        fd = os.open(paths.trainer_lock(rank), os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return "never"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            return "alive"
+        raise
+    else:
+        return "gone"
+    finally:
+        os.close(fd)  # closing drops our probe's lock too
 
 
 def read_manifest(paths: JobPaths) -> dict:

@@ -18,7 +18,7 @@ import zmq
 
 from . import batchfile
 from .errors import BatchTimeout, DaemonDied, JobNotRunning, PlanMismatch
-from .layout import JobPaths, daemon_alive, read_manifest
+from .layout import JobPaths, daemon_alive, hold_trainer_lock, read_manifest
 
 STATE_VERSION = 1
 _LIVENESS_CHECK_S = 0.5  # how often a waiting client checks the daemon and repeats its position
@@ -27,9 +27,11 @@ _SEND_QUEUE = 64  # position reports that may wait for the daemon; only the late
 _CLOSE_LINGER_MS = 200
 
 
-def _close_socket(context: zmq.Context, socket: zmq.Socket) -> None:
+def _close_socket(context: zmq.Context, socket: zmq.Socket, trainer_fd: int | None) -> None:
     socket.close(linger=_CLOSE_LINGER_MS)
     context.term()
+    if trainer_fd is not None:
+        os.close(trainer_fd)
 
 
 def _torch():
@@ -111,8 +113,10 @@ class PrefetchLoader:
         # dropped once _SEND_QUEUE are waiting: a dead daemon costs the trainer nothing.
         self._socket.setsockopt(zmq.SNDHWM, _SEND_QUEUE)
         self._socket.connect(self.manifest["endpoint"])
+        # Tells the daemon this rank's trainer lives (a paused one too) until the process ends.
+        self._trainer_fd = hold_trainer_lock(self._paths, self.rank)
         # Deliver the last reports at exit, but never wait on a dead daemon for long.
-        self._finalizer = weakref.finalize(self, _close_socket, self._context, self._socket)
+        self._finalizer = weakref.finalize(self, _close_socket, self._context, self._socket, self._trainer_fd)
 
     # -- setup -----------------------------------------------------------------------------
 
