@@ -136,6 +136,31 @@ def _typed(value, types, where: str):
     return value
 
 
+# The [daemon] keys besides buffer: what a valid value is. Defaults live in Config alone.
+_DAEMON_RULES = {
+    "workers": (lambda v: v >= 1, "at least 1"),
+    "retain": (lambda v: v >= 0, "0 or more"),
+    "on_error": (lambda v: v in ON_ERROR, f"one of {', '.join(ON_ERROR)}"),
+    "max_bad_rate": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "worker_timeout": (lambda v: v > 0, "positive"),
+    "max_worker_restarts": (lambda v: v >= 0, "0 or more"),
+    "on_trainer_exit": (lambda v: v in ON_TRAINER_EXIT, f"one of {', '.join(ON_TRAINER_EXIT)}"),
+}
+
+
+def _check_daemon_values(daemon: dict) -> dict:
+    """The [daemon] values given (file or flag), checked; absent keys keep Config's defaults."""
+    values = {}
+    for key, (valid, requirement) in _DAEMON_RULES.items():
+        if key not in daemon:
+            continue
+        value = float(daemon[key]) if _DAEMON_KEYS[key] == (float, int) else daemon[key]
+        if not valid(value):
+            raise ConfigError(f"[daemon] {key} / --{key.replace('_', '-')} must be {requirement}, got {value!r}")
+        values[key] = value
+    return values
+
+
 def _check_keys(table: dict, known, where: str) -> None:
     unknown = sorted(set(table) - set(known))
     if unknown:
@@ -198,18 +223,7 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
         buffer_bytes = parse_size(daemon.get("buffer", DEFAULT_BUFFER))
     except ValueError as exc:
         raise ConfigError(f"[daemon] buffer / --buffer: {exc}") from None
-    workers = daemon.get("workers", default_workers())
-    if workers < 1:
-        raise ConfigError(f"[daemon] workers / --workers must be at least 1, got {workers}")
-    retain = daemon.get("retain", DEFAULT_RETAIN)
-    if retain < 0:
-        raise ConfigError(f"[daemon] retain / --retain must be 0 or more, got {retain}")
-    on_error = daemon.get("on_error", "replace")
-    if on_error not in ON_ERROR:
-        raise ConfigError(f"[daemon] on_error / --on-error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
-    max_bad_rate = float(daemon.get("max_bad_rate", 0.25))
-    if not 0 < max_bad_rate <= 1:
-        raise ConfigError(f"[daemon] max_bad_rate / --max-bad-rate must be in (0, 1], got {max_bad_rate}")
+    daemon_values = _check_daemon_values(daemon)
 
     raw_sources = raw.get("source", [])
     if not isinstance(raw_sources, list):
@@ -250,20 +264,6 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
     elif specs:
         raise ConfigError("use either [pipeline] callable or [[transform]] entries, not both")
 
-    worker_timeout = float(daemon.get("worker_timeout", 60.0))
-    if worker_timeout <= 0:
-        raise ConfigError(f"[daemon] worker_timeout / --worker-timeout must be positive, got {worker_timeout}")
-    max_worker_restarts = daemon.get("max_worker_restarts", 20)
-    if max_worker_restarts < 0:
-        raise ConfigError(
-            f"[daemon] max_worker_restarts / --max-worker-restarts must be 0 or more, got {max_worker_restarts}"
-        )
-    on_trainer_exit = daemon.get("on_trainer_exit", "keep")
-    if on_trainer_exit not in ON_TRAINER_EXIT:
-        raise ConfigError(
-            f"[daemon] on_trainer_exit / --on-trainer-exit must be one of {', '.join(ON_TRAINER_EXIT)}, "
-            f"got {on_trainer_exit!r}"
-        )
     return Config(
         name=name,
         seed=job.get("seed", 0),
@@ -271,13 +271,7 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
         batch_size=job.get("batch_size", 32),
         drop_last=job.get("drop_last", True),
         buffer_bytes=buffer_bytes,
-        workers=workers,
-        retain=retain,
-        on_error=on_error,
-        max_bad_rate=max_bad_rate,
-        worker_timeout=worker_timeout,
-        max_worker_restarts=max_worker_restarts,
-        on_trainer_exit=on_trainer_exit,
+        **daemon_values,
         sources=sources,
         mix=mix,
         transforms=tuple(specs),

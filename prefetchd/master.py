@@ -88,6 +88,7 @@ class Master:
         self._no_space_delay, self._no_space_until = 0.0, 0.0
         self._context = zmq.Context()
         self._socket = None
+        self._poller: zmq.Poller | None = None
         self._watcher = None
         self.produced, self.deleted, self.bad_messages = 0, 0, 0
         self.samples_produced, self.bad_samples = 0, 0
@@ -411,6 +412,7 @@ class Master:
                 )
             log.warning("worker pid %d died (exit code %s); starting a new one", slot.process.pid, code)
             self.workers[i] = self.spawn_worker()
+            self._poller = None
 
     def assign_tasks(self) -> None:
         now = time.monotonic()
@@ -519,6 +521,15 @@ class Master:
 
     # -- the loop ------------------------------------------------------------------------
 
+    def _make_poller(self) -> zmq.Poller:
+        """Wake on a control message, a worker's message, or a worker's death."""
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        for slot in self.workers:
+            poller.register(slot.conn.fileno(), zmq.POLLIN)
+            poller.register(slot.process.sentinel, zmq.POLLIN)
+        return poller
+
     def handle_signal(self, signum: int, frame) -> None:
         self._signals.append(signum)  # the loop acts on it
 
@@ -531,12 +542,9 @@ class Master:
                     log.info("signal %d: stopping", self._signals.popleft())
                     self.stop_reason = DaemonStop("signal", EXIT_OK)
                     break
-                poller = zmq.Poller()
-                poller.register(self._socket, zmq.POLLIN)
-                for slot in self.workers:
-                    poller.register(slot.conn.fileno(), zmq.POLLIN)
-                    poller.register(slot.process.sentinel, zmq.POLLIN)
-                poller.poll(_LOOP_TICK_MS)
+                if self._poller is None:  # built again only when a worker was replaced
+                    self._poller = self._make_poller()
+                self._poller.poll(_LOOP_TICK_MS)
                 self.handle_control()
                 for slot in self.workers:
                     self.collect_results(slot)
