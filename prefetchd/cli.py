@@ -67,6 +67,9 @@ def start(
     world_size: Annotated[Optional[int], typer.Option(help="Trainer ranks that read this job")] = None,
     batch_size: Annotated[Optional[int], typer.Option(help="Samples per batch, per rank")] = None,
     drop_last: Annotated[Optional[bool], typer.Option("--drop-last/--no-drop-last")] = None,
+    decoder: Annotated[
+        Optional[str], typer.Option(help="JPEG decoder: pillow (default) or simplejpeg (the fast extra)")
+    ] = None,
     data: Annotated[Optional[str], typer.Option(help="Data folder (or file list) of the only source")] = None,
     root: RootOpt = None,
     foreground: Annotated[bool, typer.Option("--foreground", help="Stay attached (containers, systemd)")] = False,
@@ -85,6 +88,7 @@ def start(
         max_worker_restarts=max_worker_restarts,
         on_trainer_exit=on_trainer_exit,
         name=name,
+        decoder=decoder,
         seed=seed,
         world_size=world_size,
         batch_size=batch_size,
@@ -127,7 +131,8 @@ def _print_status(s: dict) -> None:
     out.print(
         f"  pid {s['pid']}, up {s['uptime_s']:.0f} s; buffer {format_size(b['used_bytes'])} / "
         f"{format_size(b['bound_bytes'])} (files {format_size(b['files_bytes'])}, "
-        f"peak {format_size(b['peak_bytes'])})\n  batch {format_size(b['batch_bytes'])}, "
+        f"peak {format_size(b['peak_bytes'])}, {b['pinned_batches']} consumed still mapped)\n"
+        f"  batch {format_size(b['batch_bytes'])}, "
         f"window {b['window_per_rank']} batches per rank",
         highlight=False,
     )

@@ -7,6 +7,7 @@ seed = 0
 world_size = 8           # trainer ranks that read this job
 batch_size = 256         # per rank
 drop_last = true         # false: the last step is padded from the epoch's start
+decoder = "pillow"       # or "simplejpeg": libjpeg-turbo + OpenCV, pip install 'prefetchd[fast]'
 
 [daemon]
 buffer = "30G"           # byte bound of the buffer (K, M, G, T = powers of 1024)
@@ -49,7 +50,7 @@ from pathlib import Path
 
 from prefetchd_client.layout import check_job_name
 
-from . import transforms
+from . import fastdecode, transforms
 from .errors import ConfigError
 from .plan import MIX_RULES
 from .sizes import parse_size
@@ -59,7 +60,7 @@ DEFAULT_RETAIN = 2  # consumed batches kept per rank, so a restart a few steps b
 # Without a config file: the usual ImageNet training crop.
 DEFAULT_TRANSFORMS = ({"op": "random_resized_crop", "size": 224}, {"op": "hflip"})
 _SECTIONS = {"job", "daemon", "source", "transform", "pipeline", "mix"}
-_JOB_KEYS = {"name": str, "seed": int, "world_size": int, "batch_size": int, "drop_last": bool}
+_JOB_KEYS = {"name": str, "seed": int, "world_size": int, "batch_size": int, "drop_last": bool, "decoder": str}
 _DAEMON_KEYS = {
     "buffer": (str, int),
     "workers": int,
@@ -86,6 +87,7 @@ class Config:
     world_size: int = 1
     batch_size: int = 32
     drop_last: bool = True
+    decoder: str = "pillow"
     buffer_bytes: int = field(default_factory=lambda: parse_size(DEFAULT_BUFFER))
     workers: int = field(default_factory=default_workers)
     retain: int = DEFAULT_RETAIN
@@ -113,7 +115,10 @@ class Config:
         out: a state taken with one resumes with another (elastic resume); so are the mixing
         weights and rule, which may change on resume (the new mixture applies from there).
         """
-        augment = json.dumps([list(self.transforms), self.pipeline], sort_keys=True).encode()
+        augment = [list(self.transforms), self.pipeline]
+        if self.decoder != "pillow":  # so configs from before the choice existed keep their hash
+            augment.append(self.decoder)
+        augment = json.dumps(augment, sort_keys=True).encode()
         return {
             "seed": self.seed,
             "samples": num_samples,
@@ -219,6 +224,14 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
             raise ConfigError(f"[job] {k} / --{k.replace('_', '-')} must be at least 1, got {job[k]}")
     if job.get("seed", 0) < 0:
         raise ConfigError(f"[job] seed / --seed must be non-negative, got {job['seed']}")
+    decoder = job.get("decoder", "pillow")
+    if decoder not in fastdecode.DECODERS:
+        raise ConfigError(f"[job] decoder / --decoder must be one of {', '.join(fastdecode.DECODERS)}, got {decoder!r}")
+    if decoder == "simplejpeg":
+        try:
+            fastdecode.require()
+        except ImportError as exc:
+            raise ConfigError(f"[job] decoder / --decoder: {exc}") from None
     try:
         buffer_bytes = parse_size(daemon.get("buffer", DEFAULT_BUFFER))
     except ValueError as exc:
@@ -270,6 +283,7 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
         world_size=job.get("world_size", 1),
         batch_size=job.get("batch_size", 32),
         drop_last=job.get("drop_last", True),
+        decoder=decoder,
         buffer_bytes=buffer_bytes,
         **daemon_values,
         sources=sources,

@@ -80,6 +80,7 @@ class JobDir:
             self.paths.batch_dir,
             self.paths.tmp_dir,
             self.paths.trainers_dir,
+            self.paths.retired_dir,
         ):
             folder.mkdir(mode=0o700, exist_ok=True)
 

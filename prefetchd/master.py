@@ -28,6 +28,7 @@ from .jobdir import JobDir
 from .plan import Plan
 from .producer import PRODUCER_SPEC, ProducerSpec, builtin_fields
 from .progress_watch import ProgressWatcher
+from .retire import RetiredBatches
 from .scheduler import Scheduler
 from .sizes import format_size
 from .sources import build_index
@@ -50,6 +51,8 @@ _LOOP_TICK_MS = 50
 _RESTART_WINDOW_S = 60.0  # --max-worker-restarts counts deaths within this window
 _TASK_ATTEMPTS = 3  # a batch that fails this often (not a bad sample) stops the daemon
 _TRAINER_CHECK_S = 1.0
+_PINNED_WARNING_S = 30.0
+_RETIRED_CHECK_S = 0.05  # how often consumed batches still mapped by a client are tried again
 _NO_SPACE_MIN_S, _NO_SPACE_MAX_S = 0.1, 2.0  # back-off range while the tmpfs is full
 _BAD_IN_A_ROW = 64  # unreadable samples in a row within a batch: the data, not a sample, is broken
 _BAD_RATE_MIN_SAMPLES = 1000  # judge the bad-sample rate only over this many samples
@@ -93,6 +96,9 @@ class Master:
         self.produced, self.deleted, self.bad_messages = 0, 0, 0
         self.samples_produced, self.bad_samples = 0, 0
         self.peak_bytes = 0
+        self.retired = RetiredBatches(paths.retired_dir)
+        self._next_retired_check = 0.0
+        self._next_pinned_warning = 0.0
         self._produce_rate, self._consume_rate = Rates(), Rates()
         self._last_report: dict[int, float] = {}
         self.started_at = time.time()
@@ -139,6 +145,7 @@ class Master:
             pipeline=cfg.pipeline,
             config_hash=self.config_hash,
             on_error=cfg.on_error,
+            decoder=cfg.decoder,
         )
         _write_json(self.paths.dir / PRODUCER_SPEC, self.spec.to_json())  # `prefetchd verify` remakes batches
         if cfg.pipeline is None:  # known now: refuse a bad buffer before booting anything
@@ -148,6 +155,7 @@ class Master:
         fields = self._await_first_worker()
         if cfg.pipeline is not None:
             self._set_layout(fields)
+        self.free_retired(sweep=True)  # a previous daemon's retired batches, still mapped or not
         self.adopt_batches()
         self._socket = control.bind_server(self._context, self.paths.endpoint)
         self._watcher = ProgressWatcher(str(self.paths.progress_dir))
@@ -188,7 +196,7 @@ class Master:
         if step >= self.plan.batches_per_epoch or rank >= self.config.world_size:
             return False
         try:
-            header, _ = map_batch(entry.path)
+            header, _ = map_batch(entry.path, pin=False)
         except (OSError, BatchFormatError):
             return False
         return header["meta"].get("config_hash") == self.config_hash and entry.stat().st_size == self.layout.size
@@ -435,7 +443,7 @@ class Master:
                 continue  # dying worker: reap_workers replaces it
             self.scheduler.task_started(rank, index)
             slot.task = task
-            self.peak_bytes = max(self.peak_bytes, self.scheduler.held * self.layout.size)
+            self.peak_bytes = max(self.peak_bytes, self.used_bytes)
 
     # -- positions and garbage -----------------------------------------------------------
 
@@ -453,11 +461,40 @@ class Master:
 
     def delete_batch(self, rank: int, index: int) -> None:
         epoch, step = self.plan.unlinear(index)
-        try:
-            os.unlink(self.paths.batch(epoch, step, rank))
+        if self.retired.retire(self.paths.batch(epoch, step, rank)):
             self.deleted += 1
-        except FileNotFoundError:
-            pass
+            self._reserve_pinned()
+
+    def free_retired(self, sweep: bool = False) -> None:
+        """Free the retired batches no client maps any more (a few times a second)."""
+        now = time.monotonic()
+        if not sweep and (not self.retired.pinned or now < self._next_retired_check):
+            return
+        self._next_retired_check = now + _RETIRED_CHECK_S
+        if sweep:
+            self.retired.sweep()
+        else:
+            self.retired.retry_pinned()
+        self._reserve_pinned()
+
+    def _reserve_pinned(self) -> None:
+        # A mapped batch holds its pages: whole slots of the bound stay taken until it goes.
+        self.scheduler.reserved = -(-self.retired.pinned_bytes // self.layout.size)
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+        sched, now = self.scheduler, time.monotonic()
+        if sched.held < sched.capacity <= sched.held + sched.reserved and now >= self._next_pinned_warning:
+            self._next_pinned_warning = now + _PINNED_WARNING_S
+            log.warning(
+                "%d consumed batches (%s) are still mapped by a trainer and count against the bound, so "
+                "fewer batches are made ahead; drop references to old batches, or raise --buffer",
+                len(self.retired.pinned),
+                format_size(self.retired.pinned_bytes),
+            )
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the bound in use: batches ready or being written, and retired ones still mapped."""
+        return self.scheduler.held * self.layout.size + self.retired.pinned_bytes
 
     def handle_control(self) -> None:
         while True:
@@ -552,6 +589,7 @@ class Master:
                 self.reap_workers()
                 self.read_progress_files()
                 self.check_trainers()
+                self.free_retired()
                 self.assign_tasks()
         except DaemonStop as stop:
             self.stop_reason = stop

@@ -55,6 +55,7 @@ class ProducerSpec:
     pipeline: str | None
     config_hash: str
     on_error: str = "replace"  # or "fail"
+    decoder: str = "pillow"  # or "simplejpeg" (prefetchd.fastdecode)
 
     def to_json(self) -> dict:
         return self.__dict__.copy()
@@ -88,7 +89,7 @@ class BatchProducer:
             self._image = None
         else:
             self._user_fn = None
-            self._image = ImagePipeline(list(spec.transforms))
+            self._image = ImagePipeline(list(spec.transforms), spec.decoder)
         self.layout = BatchLayout.plan(self.field_specs())
 
     def field_specs(self) -> list[FieldSpec]:

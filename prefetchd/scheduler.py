@@ -9,7 +9,8 @@ checkpoint a few steps back finds them warm) and ``window`` batches lie ahead. A
 
 - Produce: the missing batch nearest to its rank's position, over all ranks (the most
   urgent first), while the buffer holds fewer than ``capacity`` batches (ready or being
-  written): the byte bound is never exceeded, not even during a seek.
+  written), plus ``reserved`` slots the master counts for consumed batches a client still
+  maps: the byte bound is never exceeded, not even during a seek.
 - Delete: every ready batch outside that range: consumed more than ``retain`` batches ago
   or, after a backward seek, too far ahead. A paused rank's range stays as it is.
 """
@@ -38,6 +39,7 @@ class Scheduler:
         self.retain = retain
         self.window = capacity // world_size - retain
         self.ranks = [RankState() for _ in range(world_size)]
+        self.reserved = 0  # slots taken by consumed batches still mapped by a client
 
     @property
     def held(self) -> int:
@@ -61,7 +63,7 @@ class Scheduler:
 
     def next_task(self) -> tuple[int, int] | None:
         """(rank, index) of the most urgent missing batch, or None when full or all windows are full."""
-        if self.held >= self.capacity:
+        if self.held + self.reserved >= self.capacity:
             return None
         best = None
         for rank, state in enumerate(self.ranks):
@@ -102,7 +104,7 @@ class Scheduler:
 
     def adopt(self, rank: int, index: int) -> bool:
         """Count a valid batch found in the buffer at start-up as ready; False if it does not fit."""
-        if self.held >= self.capacity:
+        if self.held + self.reserved >= self.capacity:
             return False
         self.ranks[rank].ready.add(index)
         return True

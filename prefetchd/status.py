@@ -33,12 +33,12 @@ def job_status(m) -> dict:
     """What `prefetchd status` shows: the buffer, each rank, rates, sources, totals."""
     now = time.monotonic()
     size = m.layout.size
-    fs_bytes = 0
-    for folder in (m.paths.batch_dir, m.paths.tmp_dir):
+    fs_bytes = 0  # blocks allocated, as the filesystem reports them
+    for folder in (m.paths.batch_dir, m.paths.tmp_dir, m.paths.retired_dir):
         with os.scandir(folder) as entries:
             for e in entries:
                 try:
-                    fs_bytes += e.stat().st_size
+                    fs_bytes += e.stat(follow_symlinks=False).st_blocks * 512
                 except FileNotFoundError:
                     pass
     ranks = []
@@ -66,8 +66,10 @@ def job_status(m) -> dict:
         "batches_per_epoch": m.plan.batches_per_epoch,
         "buffer": {
             "bound_bytes": m.config.buffer_bytes,
-            "used_bytes": m.scheduler.held * size,
+            "used_bytes": m.used_bytes,
             "files_bytes": fs_bytes,
+            "pinned_batches": len(m.retired.pinned),
+            "pinned_bytes": m.retired.pinned_bytes,
             "peak_bytes": m.peak_bytes,
             "batch_bytes": size,
             "window_per_rank": m.scheduler.window,

@@ -33,6 +33,7 @@ EXIF orientation is not applied; alpha is dropped, not composited.
 
 from __future__ import annotations
 
+import io
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,6 +42,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageEnhance
 
+from prefetchd import fastdecode
 from prefetchd.errors import ConfigError
 
 Box = tuple[float, float, float, float]  # (left, top, right, bottom) in source pixels
@@ -320,11 +322,20 @@ def _draft(img: Image.Image, box: Box, out_w: int, out_h: int) -> Box:
 
 
 class ImagePipeline:
-    """A validated transform list; ``apply`` decodes and augments one image file."""
+    """A validated transform list; ``apply`` decodes and augments one image file.
 
-    def __init__(self, specs: list[dict]):
+    ``decoder``: "pillow" (default) or "simplejpeg" (libjpeg-turbo and OpenCV, see
+    prefetchd.fastdecode); both follow the same plan, drawn from the same random numbers.
+    """
+
+    def __init__(self, specs: list[dict], decoder: str = "pillow"):
         self._steps, (h, w) = _parse(specs)  # exactly validate_transforms' checks
         self.output_shape: tuple[int, int, int] = (h, w, 3)
+        if decoder not in fastdecode.DECODERS:
+            raise ValueError(f"decoder must be one of {fastdecode.DECODERS}, got {decoder!r}")
+        if decoder == "simplejpeg":
+            fastdecode.require()
+        self.decoder = decoder
 
     def plan(self, size: tuple[int, int], rng: np.random.Generator) -> Plan:
         """Draw this sample's random numbers (in config order) for an image of `size` (w, h)."""
@@ -338,8 +349,24 @@ class ImagePipeline:
         result into `out` (shape output_shape; may be a view into a batch buffer)."""
         if out.shape != self.output_shape or out.dtype != np.uint8:
             raise ValueError(f"out must be uint8 of shape {self.output_shape}, got {out.dtype} {out.shape}")
-        with Image.open(path, formats=ALLOWED_FORMATS) as src:
-            v = self.plan(src.size, rng)
+        source, v = path, None
+        if self.decoder == "simplejpeg":
+            with open(path, "rb") as f:
+                data = f.read()
+            size = fastdecode.jpeg_size(data)
+            if size is not None:
+                v = self.plan(size, rng)
+                try:
+                    pixels = fastdecode.decode_resampled(data, size, v.box, v.w, v.h)
+                except ValueError:
+                    pixels = None  # CMYK, or damaged: Pillow decides, with the same plan
+                if pixels is not None:
+                    _finish(pixels, v, out)
+                    return
+            source = io.BytesIO(data)
+        with Image.open(source, formats=ALLOWED_FORMATS) as src:
+            if v is None:
+                v = self.plan(src.size, rng)
             assert (v.h, v.w) == self.output_shape[:2]
             box = _draft(src, v.box, v.w, v.h)
             img = src if src.mode in ("RGB", "L") else src.convert("RGB")  # P/CMYK/RGBA/... resample badly
@@ -354,3 +381,15 @@ class ImagePipeline:
         for enhancer, factor in v.enhance:
             img = enhancer(img).enhance(factor)
         out[...] = np.asarray(img)
+
+
+def _finish(pixels: np.ndarray, v: Plan, out: np.ndarray) -> None:
+    """Flip and colour-jitter an output-sized RGB array into ``out``."""
+    if v.mirrored:
+        pixels = pixels[:, ::-1]
+    if v.enhance:
+        img = Image.fromarray(np.ascontiguousarray(pixels))
+        for enhancer, factor in v.enhance:
+            img = enhancer(img).enhance(factor)
+        pixels = np.asarray(img)
+    out[...] = pixels

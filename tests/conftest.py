@@ -29,6 +29,20 @@ def jpeg_folder(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 4 MiB tmpfs of its own: its statvfs counts every page the job holds, mapped or not."""
+    mount = tmp_path / "shm"
+    mount.mkdir()
+    result = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=4m,mode=700", "tmpfs", str(mount)], capture_output=True, text=True
+    )
+    if result.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+@pytest.fixture
 def job_root(monkeypatch) -> Path:
     root = Path(tempfile.mkdtemp(prefix="prefetchd-test-", dir=SHM))
     monkeypatch.setenv("PREFETCHD_ROOT", str(root))

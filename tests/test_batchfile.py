@@ -113,3 +113,54 @@ def test_truncation_and_bit_flips_raise_only_the_documented_error(tmp_path_facto
         return
     for f in header["fields"]:  # whatever passed stays inside the buffer
         assert f["offset"] + f["nbytes"] <= len(buf)
+
+
+# Values a hostile or broken writer might put in any header field: huge, negative, of the
+# wrong type, or taken from another field (offsets that overlap).
+ANY_VALUE = st.one_of(
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([0, 1, 63, 64, 4096, 2**31, 2**32 - 1, 2**63 - 1, 2**63, 2**64]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.booleans(),
+    st.none(),
+    st.text(max_size=80),
+    st.lists(st.integers(-(2**40), 2**40), max_size=12),
+    st.dictionaries(st.text(max_size=4), st.integers(), max_size=3),
+)
+FIELD_KEYS = ["name", "dtype", "shape", "offset", "extra"]
+VALID_FIELD = {"name": "image", "dtype": "uint8", "shape": [2, 4, 4, 3], "offset": 4096}
+
+
+@settings(max_examples=400, deadline=None)
+@given(data=st.data())
+def test_hostile_header_values_raise_only_the_documented_error(tmp_path_factory, data):
+    path = write(tmp_path_factory.mktemp("fuzz") / "b")
+    data_bytes = bytearray(path.read_bytes())
+    _, _, hlen = PREAMBLE.unpack_from(data_bytes)
+    header = json.loads(data_bytes[16 : 16 + hlen])
+    for _ in range(data.draw(st.integers(1, 4))):
+        target = data.draw(st.sampled_from(["top", "field", "overlap", "fields"]))
+        if target == "top":
+            header[data.draw(st.sampled_from(["epoch", "step", "rank", "fields", "meta"]))] = data.draw(ANY_VALUE)
+        elif target == "field" and isinstance(header.get("fields"), list) and header["fields"]:
+            f = header["fields"][data.draw(st.integers(0, len(header["fields"]) - 1))]
+            if isinstance(f, dict):
+                f[data.draw(st.sampled_from(FIELD_KEYS))] = data.draw(ANY_VALUE)
+        elif target == "overlap" and isinstance(header.get("fields"), list) and len(header["fields"]) > 1:
+            a, b = header["fields"][0], header["fields"][-1]
+            if isinstance(a, dict) and isinstance(b, dict) and type(a.get("offset")) is int:
+                b["offset"] = a["offset"] + data.draw(st.integers(-128, 128))
+        elif target == "fields":
+            header["fields"] = data.draw(st.lists(st.builds(lambda: dict(VALID_FIELD)), max_size=70))
+    new = json.dumps(header).encode()
+    if 16 + len(new) > len(data_bytes):
+        data_bytes.extend(b"\0" * (16 + len(new) - len(data_bytes)))
+    data_bytes[8:16] = struct.pack("<II", 1, len(new))
+    data_bytes[16 : 16 + len(new)] = new
+    try:
+        parsed = parse_header(bytes(data_bytes), len(data_bytes))
+    except BatchFormatError:
+        return
+    extents = sorted((f["offset"], f["offset"] + f["nbytes"]) for f in parsed["fields"])
+    for (start, end), nxt in zip(extents, extents[1:] + [(len(data_bytes), None)]):
+        assert 16 + len(new) <= start <= end <= nxt[0] <= len(data_bytes)

@@ -55,8 +55,8 @@ def images(tmp_path_factory):
     return made
 
 
-def _run(specs, path, seed):
-    pipe = ImagePipeline(specs)
+def _run(specs, path, seed, decoder="pillow"):
+    pipe = ImagePipeline(specs, decoder)
     out = np.zeros(pipe.output_shape, np.uint8)
     pipe.apply(path, np.random.default_rng(seed), out)
     return out
@@ -266,14 +266,36 @@ REFERENCE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("decoder", ["pillow", "simplejpeg"])
 @pytest.mark.parametrize("name", IMAGE_NAMES)
 @pytest.mark.parametrize("specs", REFERENCE_CASES)
-def test_fused_path_is_close_to_naive_reference(images, name, specs):
+def test_fused_path_is_close_to_naive_reference(images, name, specs, decoder):
+    # Both decoders follow one plan; only the DCT scaling and the resampling filter differ.
     for seed in range(3):
-        fused = _run(specs, images[name], seed)
+        fused = _run(specs, images[name], seed, decoder)
         ref = naive(images[name], specs, np.random.default_rng(seed))
         assert fused.shape == ref.shape
         assert _mad(fused, ref) < 6, (seed, _mad(fused, ref))
+
+
+@pytest.mark.parametrize("name", IMAGE_NAMES)
+def test_fast_decoder_is_deterministic(images, name):
+    first = _run(IMAGENET, images[name], 5, "simplejpeg")
+    assert np.array_equal(first, _run(IMAGENET, images[name], 5, "simplejpeg"))
+    assert not np.array_equal(first, _run(IMAGENET, images[name], 6, "simplejpeg"))
+
+
+def test_fast_decoder_refuses_a_damaged_jpeg_like_pillow(images, tmp_path):
+    damaged = tmp_path / "cut.jpg"
+    damaged.write_bytes(Path(images["medium.jpg"]).read_bytes()[:3000])
+    for decoder in ("pillow", "simplejpeg"):
+        with pytest.raises(OSError):  # the producer counts it as a bad sample and replaces it
+            _run(IMAGENET, str(damaged), 0, decoder)
+
+
+def test_unknown_decoder_is_refused():
+    with pytest.raises(ValueError, match="decoder must be one of"):
+        ImagePipeline(IMAGENET, "libjpeg")
 
 
 PLAN_SPECS = [IMAGENET, *REFERENCE_CASES, *(s for s, _ in SHAPE_CASES)]

@@ -9,6 +9,7 @@ Layout (format version 1; all integers little-endian)::
     16            H      JSON header, UTF-8 (see below)
     16+H          ...    zero padding up to the first field
     offset_i      n_i    field i: C-contiguous array data, offset_i a multiple of 64
+    ...           ...    zero padding up to a multiple of 4096 bytes (whole pages)
 
 The header is one JSON object::
 
@@ -30,6 +31,8 @@ inside the header, and an extent (offset + size) within the file; extents do not
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import hashlib
 import json
 import math
@@ -95,7 +98,9 @@ class BatchLayout:
                 raise ValueError(f"field {f.name!r}: dtype {f.dtype} is not one of {sorted(ALLOWED_DTYPES)}")
             offsets.append(pos)
             pos = _align(pos + f.nbytes, FIELD_ALIGN)
-        return cls(tuple(fields), tuple(offsets), data_start, max(pos, data_start))
+        # A whole number of pages: the file's size is then exactly what it holds on the tmpfs,
+        # and the byte bound, counted in file sizes, is a bound on memory.
+        return cls(tuple(fields), tuple(offsets), data_start, _align(max(pos, data_start), HEADER_AREA_ALIGN))
 
     def header_bytes(self, epoch: int, step: int, rank: int, meta: dict | None = None) -> bytes:
         fields = [dict(f.to_json(), offset=o) for f, o in zip(self.fields, self.offsets)]
@@ -199,7 +204,7 @@ def parse_header(buf, size: int) -> dict:
         if not isinstance(name, str) or not 1 <= len(name) <= 64 or name in names:
             raise _fail(f"field #{i} has a missing, overlong or repeated name")
         names.add(name)
-        if dtype not in ALLOWED_DTYPES:
+        if not isinstance(dtype, str) or dtype not in ALLOWED_DTYPES:
             raise _fail(f"field {name!r}: dtype {dtype!r:.40} not allowed")
         if not isinstance(shape, list) or len(shape) > MAX_DIMS:
             raise _fail(f"field {name!r}: shape must be a list of at most {MAX_DIMS} dimensions")
@@ -220,13 +225,26 @@ def parse_header(buf, size: int) -> dict:
     return header
 
 
-def map_batch(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
+def map_batch(path: str | os.PathLike, *, pin: bool = True) -> tuple[dict, dict[str, np.ndarray]]:
     """Map a batch file and return (header, arrays) without copying the data.
 
     The map is private copy-on-write: the arrays are writable (torch wants that) while
     reads share the tmpfs pages; the daemon may unlink the file while the arrays live.
+
+    ``pin`` takes a shared ``flock`` on the file for as long as the map lives (the mmap keeps
+    a duplicate of the descriptor, and a flock belongs to the open file, so the lock goes
+    when the last array over this map is freed). The daemon tries an exclusive lock before
+    it frees a consumed batch: a file still mapped keeps counting against the byte bound.
+    A file the daemon has already retired raises FileNotFoundError, like a missing one.
     """
     with open(path, "rb") as f:
+        if pin:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:  # the daemon holds it this instant: it is freeing it
+                raise FileNotFoundError(errno.ENOENT, "batch is being retired", str(path)) from None
+            if os.fstat(f.fileno()).st_nlink == 0:  # freed between our open and our lock
+                raise FileNotFoundError(errno.ENOENT, "batch was retired", str(path))
         size = os.fstat(f.fileno()).st_size
         if size < PREAMBLE.size:
             raise _fail(f"{path}: {size} bytes, shorter than the {PREAMBLE.size}-byte preamble")

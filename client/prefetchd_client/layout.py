@@ -11,6 +11,7 @@ environment finds a job by its name alone::
       progress/rank-<r>  "<epoch> <step>": the next batch rank r will read
       batches/           finished batches, e<epoch>-s<step>-r<rank>.batch
       tmp/               batches being written
+      retired/           consumed batches a client may still map (freed once unmapped)
       trainers/rank-<r>  flock held (shared) by every live loader of rank r
 
 root is the ``root`` argument, else ``$PREFETCHD_ROOT``, else ``/dev/shm/prefetchd-<uid>``.
@@ -35,6 +36,7 @@ PROGRESS_DIR = "progress"
 BATCH_DIR = "batches"
 TMP_DIR = "tmp"
 TRAINERS_DIR = "trainers"
+RETIRED_DIR = "retired"
 
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _BATCH_NAME = re.compile(r"^e(\d{6})-s(\d{8})-r(\d{4})\.batch$")
@@ -107,6 +109,10 @@ class JobPaths:
 
     def batch(self, epoch: int, step: int, rank: int) -> Path:
         return self.batch_dir / batch_name(epoch, step, rank)
+
+    @property
+    def retired_dir(self) -> Path:
+        return self.dir / RETIRED_DIR
 
     @property
     def trainers_dir(self) -> Path:

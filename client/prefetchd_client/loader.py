@@ -17,7 +17,8 @@ from collections.abc import Iterator
 import zmq
 
 from . import batchfile
-from .errors import BatchTimeout, DaemonDied, JobNotRunning, PlanMismatch
+from .device import DeviceFeeder
+from .errors import BatchFormatError, BatchTimeout, DaemonDied, JobNotRunning, PlanMismatch
 from .layout import JobPaths, daemon_alive, hold_trainer_lock, read_manifest
 
 STATE_VERSION = 1
@@ -25,6 +26,7 @@ _LIVENESS_CHECK_S = 0.5  # how often a waiting client checks the daemon and repe
 _MAX_POLL_S = 0.005  # longest sleep between looks for a batch file
 _SEND_QUEUE = 64  # position reports that may wait for the daemon; only the latest matters
 _CLOSE_LINGER_MS = 200
+VERIFY_ENV = "PREFETCHD_VERIFY"
 
 
 def _close_socket(context: zmq.Context, socket: zmq.Socket, trainer_fd: int | None) -> None:
@@ -78,10 +80,18 @@ class PrefetchLoader:
     """Iterate the batches of rank ``rank`` of the prefetchd job ``job``.
 
     ``timeout``: seconds to wait for one batch. ``restart_grace``: seconds a waiting loader
-    gives a dead daemon to be restarted before it raises DaemonDied.
+    gives a dead daemon to be restarted before it raises DaemonDied. ``verify`` (default:
+    ``$PREFETCHD_VERIFY=1``): check every batch before yielding it (its name, this job's
+    config hash, the SHA-256 of its bytes) and raise BatchFormatError on any difference; a
+    test mode, it reads every byte once.
 
     Batches are dicts of torch tensors (numpy arrays when torch is absent) mapped from the
     batch file: ``image`` uint8 [B, H, W, 3], ``label`` int64 [B], ``index`` int64 [B].
+
+    ``device`` (torch): deliver them on that device instead, through pinned staging buffers
+    and a side stream on CUDA (see prefetchd_client.device). ``normalize=(mean, std)`` (with
+    ``device``): ``image`` becomes float32 [B, 3, H, W], ``(x / 255 - mean) / std``, made on
+    the device.
     """
 
     def __init__(
@@ -94,6 +104,9 @@ class PrefetchLoader:
         timeout: float = 120.0,
         restart_grace: float = 10.0,
         as_tensors: bool | None = None,
+        verify: bool | None = None,
+        device=None,
+        normalize=None,
     ):
         self._paths = JobPaths.of(job, root)
         self.manifest = self._read_manifest()
@@ -103,9 +116,17 @@ class PrefetchLoader:
         self._check_plan()
         self.timeout = float(timeout)
         self.restart_grace = float(restart_grace)
+        self.verify = os.environ.get(VERIFY_ENV) == "1" if verify is None else bool(verify)
         self._torch = _torch() if as_tensors in (None, True) else None
         if as_tensors and self._torch is None:
             raise ImportError("as_tensors=True needs torch; install it or pass as_tensors=False")
+        self._feeder = None
+        if device is not None:
+            if self._torch is None:
+                raise ImportError("device= needs torch (and as_tensors not False)")
+            self._feeder = DeviceFeeder(self._torch, device, normalize)
+        elif normalize is not None:
+            raise ValueError("normalize= is applied on a device: pass device= too (device='cpu' on a CPU)")
         self._epoch, self._step = 0, 0  # the next batch this rank reads
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
@@ -243,6 +264,16 @@ class PrefetchLoader:
         except zmq.Again:
             pass  # the daemon is slow or gone: the next report, or the wait loop, repeats it
 
+    def _check_batch(self, path, header: dict, arrays: dict, epoch: int, step: int) -> None:
+        """Test mode: prove the batch is the one asked for, of this job, and not torn."""
+        expected = (epoch, step, self.rank, self.manifest["config_hash"])
+        found = (header["epoch"], header["step"], header["rank"], header["meta"].get("config_hash"))
+        if found != expected:
+            raise BatchFormatError(f"{path}: header says epoch/step/rank/config {found}, expected {expected}")
+        digest = batchfile.content_digest(arrays, header["fields"])
+        if digest != header["meta"].get("sha256"):
+            raise BatchFormatError(f"{path}: its bytes do not match the SHA-256 in its header (torn write?)")
+
     def _fetch(self, epoch: int, step: int) -> dict:
         path = self._paths.batch(epoch, step, self.rank)
         start = time.monotonic()
@@ -250,7 +281,7 @@ class PrefetchLoader:
         delay, dead_since = 0.0002, None
         while True:
             try:
-                _, arrays = batchfile.map_batch(path)
+                header, arrays = batchfile.map_batch(path)
                 break
             except FileNotFoundError:
                 pass
@@ -277,6 +308,10 @@ class PrefetchLoader:
                 )
             time.sleep(delay)
             delay = min(delay * 2, _MAX_POLL_S)
+        if self.verify:
+            self._check_batch(path, header, arrays, epoch, step)
+        if self._feeder is not None:
+            return self._feeder(arrays)
         if self._torch is None:
             return arrays
         return {name: self._torch.from_numpy(a) for name, a in arrays.items()}

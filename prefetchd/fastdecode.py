@@ -1,0 +1,84 @@
+"""The optional fast decoder: libjpeg-turbo (through simplejpeg) decodes, OpenCV resamples.
+
+Chosen with ``[job] decoder = "simplejpeg"`` (or ``--decoder simplejpeg``); installed with
+``pip install 'prefetchd[fast]'``. It follows the same plan as the Pillow path (the same
+random numbers, the same crop box in source pixels), so only the pixel arithmetic differs:
+
+- the decode asks libjpeg-turbo for the smallest M/8 DCT scaling whose image still holds the
+  crop box at the output size or larger (Pillow's draft only offers 1/2, 1/4, 1/8);
+- the crop is the box widened to whole pixels, then one ``cv2.resize``: INTER_AREA when it
+  shrinks (an anti-aliased average, like Pillow's reducing filters), INTER_LINEAR when it grows.
+
+Output is deterministic for given library versions, as with Pillow; it is not bit-equal to
+Pillow's, and the decoder is part of the config hash, so a resume never mixes the two.
+Files that are not JPEG, CMYK JPEGs and JPEGs libjpeg-turbo cannot read go through Pillow.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from PIL import Image
+
+DECODERS = ("pillow", "simplejpeg")
+
+# Imported on first use (a worker of a job that asked for this decoder): the CLI and the
+# master never pay for OpenCV.
+cv2 = simplejpeg = None
+
+
+def require() -> None:
+    """Import the fast decoder's libraries, or say how to install them (ImportError)."""
+    global cv2, simplejpeg
+    if simplejpeg is not None:
+        return
+    try:
+        import cv2 as _cv2
+        import simplejpeg as _simplejpeg
+    except ImportError as exc:
+        raise ImportError(
+            f"decoder = 'simplejpeg' needs simplejpeg and OpenCV ({exc.name} is missing): "
+            "pip install 'prefetchd[fast]', or use the default decoder = 'pillow'"
+        ) from None
+    _cv2.setNumThreads(1)  # one worker process per core already: no thread pool inside each
+    cv2, simplejpeg = _cv2, _simplejpeg
+
+
+def jpeg_size(data: bytes) -> tuple[int, int] | None:
+    """(width, height) from the header of a YCbCr or greyscale JPEG; None for anything else.
+
+    CMYK and YCCK JPEGs (rare, from print workflows) go through Pillow, so their colours
+    come out the same whichever decoder is chosen.
+    """
+    if not simplejpeg.is_jpeg(data):
+        return None
+    try:
+        height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
+    except ValueError:
+        return None  # a damaged header: Pillow reads it, and names the damage
+    return (width, height) if colorspace in ("YCbCr", "Gray", "RGB") else None
+
+
+def decode_resampled(data: bytes, size: tuple[int, int], box, out_w: int, out_h: int) -> np.ndarray:
+    """The region ``box`` (source pixels) of the JPEG ``data`` at ``out_w`` x ``out_h``, uint8 RGB.
+
+    ValueError when libjpeg-turbo cannot decode it (corrupt, or a colour space it cannot
+    convert); Image.DecompressionBombError past Pillow's pixel limit, as on the Pillow path.
+    """
+    width, height = size
+    if width * height > Image.MAX_IMAGE_PIXELS:
+        raise Image.DecompressionBombError(
+            f"image of {width * height} pixels exceeds the limit of {Image.MAX_IMAGE_PIXELS}"
+        )
+    x0, y0, x1, y1 = box
+    # The decoded image must keep the box at least out_w x out_h: ask for at least that much.
+    min_w = min(width, math.ceil(out_w * width / (x1 - x0)))
+    min_h = min(height, math.ceil(out_h * height / (y1 - y0)))
+    img = simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=min_w, min_height=min_h)
+    sx, sy = img.shape[1] / width, img.shape[0] / height
+    left, top = max(0, math.floor(x0 * sx)), max(0, math.floor(y0 * sy))
+    right, bottom = min(img.shape[1], math.ceil(x1 * sx)), min(img.shape[0], math.ceil(y1 * sy))
+    crop = img[top:bottom, left:right]
+    shrinks = crop.shape[1] >= out_w and crop.shape[0] >= out_h
+    return cv2.resize(crop, (out_w, out_h), interpolation=cv2.INTER_AREA if shrinks else cv2.INTER_LINEAR)
