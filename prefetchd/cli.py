@@ -10,8 +10,10 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from prefetchd_client.errors import AuthError
 from prefetchd_client.layout import JobPaths, daemon_alive, resolve_root
 
 from . import control
@@ -32,7 +34,8 @@ RootOpt = Annotated[
 
 
 def _fail(exc: UserError) -> typer.Exit:
-    err.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+    # escape: the message names keys like "[daemon] endpoint", which rich would read as markup
+    err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
     return typer.Exit(exc.exit_code)
 
 
@@ -62,6 +65,16 @@ def start(
     on_trainer_exit: Annotated[
         Optional[str], typer.Option(help="A rank's trainer is gone: keep its window (default) or release it")
     ] = None,
+    endpoint: Annotated[
+        Optional[str],
+        typer.Option(help="Control socket: ipc (default) or tcp://HOST:PORT, loopback unless CURVE is configured"),
+    ] = None,
+    curve_secret_key: Annotated[
+        Optional[str], typer.Option(help="CURVE: the server's secret certificate (mode 0600) for a TCP endpoint")
+    ] = None,
+    curve_authorized_keys: Annotated[
+        Optional[str], typer.Option(help="CURVE: folder of the authorised clients' public certificates (*.key)")
+    ] = None,
     name: Annotated[Optional[str], typer.Option(help="Job name [default: config's, else its file name]")] = None,
     seed: Annotated[Optional[int], typer.Option()] = None,
     world_size: Annotated[Optional[int], typer.Option(help="Trainer ranks that read this job")] = None,
@@ -87,6 +100,9 @@ def start(
         worker_timeout=worker_timeout,
         max_worker_restarts=max_worker_restarts,
         on_trainer_exit=on_trainer_exit,
+        endpoint=endpoint,
+        curve_secret_key=curve_secret_key,
+        curve_authorized_keys=curve_authorized_keys,
         name=name,
         decoder=decoder,
         seed=seed,
@@ -117,7 +133,10 @@ def start(
 def _job_status(paths: JobPaths) -> dict:
     if not daemon_alive(paths):
         return {"job": paths.name, "state": "not running", "job_dir": str(paths.dir)}
-    reply = control.request(paths.endpoint, {"op": "status"}, timeout_s=3.0)
+    try:  # at the endpoint in its manifest: ipc, or TCP (with CURVE when the manifest has a server key)
+        reply = control.request_job(paths, {"op": "status"}, timeout_s=3.0)
+    except AuthError as exc:
+        return {"job": paths.name, "state": "refused", "job_dir": str(paths.dir), "error": str(exc)}
     if reply is None:
         return {"job": paths.name, "state": "not responding", "job_dir": str(paths.dir)}
     return {"state": "serving", "job_dir": str(paths.dir), **reply}
@@ -125,6 +144,8 @@ def _job_status(paths: JobPaths) -> dict:
 
 def _print_status(s: dict) -> None:
     out.print(f"[bold]{s['job']}[/]: {s['state']}  ({s['job_dir']})", highlight=False)
+    if "error" in s:
+        out.print(f"  {escape(s['error'])}", highlight=False)
     if s["state"] != "serving":
         return
     b, r = s["buffer"], s["rates"]
@@ -233,6 +254,38 @@ def demo(
         run_demo(images=images, epochs=epochs, workers=workers, buffer=buffer, root=root, console=out)
     except UserError as exc:
         raise _fail(exc) from None
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def bench(
+    ctx: typer.Context,
+    quick: Annotated[bool, typer.Option("--quick", help="Tiny data, one repeat, every row: under a minute")] = False,
+    images: Annotated[Optional[int], typer.Option(help="JPEGs to generate [1500]")] = None,
+    workers: Annotated[Optional[int], typer.Option(help="Worker processes, both systems (default: cores - 1)")] = None,
+    repeats: Annotated[Optional[int], typer.Option(help="Repeats per row; medians are reported [3]")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(help="Samples per batch [64]")] = None,
+    out_dir: Annotated[Path, typer.Option("--out", help="Folder for bench.json and bench_timeline.png")] = Path(
+        "bench-out"
+    ),
+) -> None:
+    """Compare prefetchd with torch's DataLoader on generated JPEGs (runs scripts/bench.py; more
+    flags after these go to it, see `python scripts/bench.py --help`)."""
+    import importlib.util
+    import subprocess
+
+    # The benchmark needs torch, which this process never imports: it runs in its own process.
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
+    if not script.is_file():
+        raise _fail(UserError(f"prefetchd bench runs scripts/bench.py of a source checkout; none at {script}"))
+    if importlib.util.find_spec("torch") is None:
+        raise _fail(UserError("prefetchd bench compares with torch's DataLoader: pip install torch"))
+    args = ["--quick"] if quick else []
+    for flag, value in (("--images", images), ("--workers", workers), ("--repeats", repeats)):
+        if value is not None:
+            args += [flag, str(value)]
+    if batch_size is not None:
+        args += ["--batch-size", str(batch_size)]
+    raise typer.Exit(subprocess.call([sys.executable, str(script), *args, "--out", str(out_dir), *ctx.args]))
 
 
 def main() -> None:

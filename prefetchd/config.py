@@ -18,6 +18,9 @@ max_bad_rate = 0.25      # stop when more of the samples than this are bad
 worker_timeout = 60      # seconds without a heartbeat before a worker is killed and replaced
 max_worker_restarts = 20 # worker deaths tolerated per minute before the daemon stops
 on_trainer_exit = "keep" # a rank's trainer process is gone: "keep" its window (warm restart) or "release" it
+endpoint = "ipc"         # the control socket; or "tcp://127.0.0.1:5555" (loopback unless CURVE is set)
+# curve_secret_key = "server.key_secret"  # CURVE: the server's secret certificate (mode 0600)
+# curve_authorized_keys = "clients/"      # CURVE: folder of authorised client public certificates (*.key)
 
 [[source]]
 kind = "image_folder"    # or "file_list" with path = "train.txt" ("path,label" lines)
@@ -36,7 +39,8 @@ size = 224
 callable = "mypkg.aug:make_sample"
 ```
 
-Relative paths resolve against the config file's folder. Pure: no I/O beyond reading the file.
+Relative paths resolve against the config file's folder (those of flags against the current
+one). Pure: no I/O beyond reading the file and checking the CURVE key files it names.
 """
 
 from __future__ import annotations
@@ -49,8 +53,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from prefetchd_client.layout import check_job_name
+from prefetchd_client.transport import load_secret_certificate, parse_tcp_endpoint
 
-from . import fastdecode, transforms
+from . import control, fastdecode, transforms
 from .errors import ConfigError
 from .plan import MIX_RULES
 from .sizes import parse_size
@@ -70,6 +75,9 @@ _DAEMON_KEYS = {
     "worker_timeout": (float, int),
     "max_worker_restarts": int,
     "on_trainer_exit": str,
+    "endpoint": str,
+    "curve_secret_key": str,
+    "curve_authorized_keys": str,
 }
 ON_TRAINER_EXIT = ("keep", "release")
 ON_ERROR = ("replace", "fail")
@@ -96,6 +104,9 @@ class Config:
     worker_timeout: float = 60.0
     max_worker_restarts: int = 20
     on_trainer_exit: str = "keep"
+    endpoint: str = "ipc"
+    curve_secret_key: str | None = None
+    curve_authorized_keys: str | None = None
     sources: tuple[dict, ...] = ()
     mix: str = "cycle"
     transforms: tuple[dict, ...] = ()
@@ -150,7 +161,22 @@ _DAEMON_RULES = {
     "worker_timeout": (lambda v: v > 0, "positive"),
     "max_worker_restarts": (lambda v: v >= 0, "0 or more"),
     "on_trainer_exit": (lambda v: v in ON_TRAINER_EXIT, f"one of {', '.join(ON_TRAINER_EXIT)}"),
+    "endpoint": (
+        lambda v: v == "ipc" or _is_tcp_endpoint(v),
+        "ipc or tcp://HOST:PORT with HOST an IP address, localhost or * and PORT 1-65535 "
+        "(e.g. tcp://127.0.0.1:5555; IPv6 in brackets: tcp://[::1]:5555)",
+    ),
+    "curve_secret_key": (lambda v: v != "", "the path of the server's secret certificate"),
+    "curve_authorized_keys": (lambda v: v != "", "the path of a folder of client public certificates"),
 }
+
+
+def _is_tcp_endpoint(text: str) -> bool:
+    try:
+        parse_tcp_endpoint(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _check_daemon_values(daemon: dict) -> dict:
@@ -163,6 +189,48 @@ def _check_daemon_values(daemon: dict) -> dict:
         if not valid(value):
             raise ConfigError(f"[daemon] {key} / --{key.replace('_', '-')} must be {requirement}, got {value!r}")
         values[key] = value
+    return values
+
+
+def _check_endpoint(values: dict, base: Path, flags: dict) -> dict:
+    """The control endpoint's rule: TCP on a loopback host, or anywhere with CURVE configured.
+
+    Resolves the CURVE paths (a flag's against the current folder) and checks the files now,
+    so a bad key fails ``start`` before anything is spawned.
+    """
+    secret, authorized = values.get("curve_secret_key"), values.get("curve_authorized_keys")
+    if (secret is None) != (authorized is None):
+        raise ConfigError(
+            "[daemon] curve_secret_key / --curve-secret-key and curve_authorized_keys / --curve-authorized-keys "
+            "go together: set both (the server's secret certificate and the folder of authorised client "
+            "certificates) or neither"
+        )
+    endpoint, curve = values.get("endpoint", "ipc"), secret is not None
+    if curve and endpoint == "ipc":
+        raise ConfigError(
+            "[daemon] curve_secret_key / --curve-secret-key secures a TCP endpoint: set [daemon] endpoint / "
+            "--endpoint tcp://HOST:PORT as well, or drop the CURVE keys (the ipc socket is private to you already)"
+        )
+    if endpoint != "ipc":
+        tcp = parse_tcp_endpoint(endpoint)  # its form was checked by _DAEMON_RULES
+        if not tcp.loopback and not curve:
+            where = "every interface" if tcp.wildcard else tcp.host
+            raise ConfigError(
+                f"[daemon] endpoint / --endpoint {endpoint} would listen on {where}, which is not a loopback "
+                "address, without authentication: anyone who can reach this node could stop the job or move its "
+                f"position. Use tcp://127.0.0.1:{tcp.port}, or configure CURVE with [daemon] curve_secret_key and "
+                "curve_authorized_keys (--curve-secret-key, --curve-authorized-keys)"
+            )
+    if curve:
+        for key, check in (
+            ("curve_secret_key", load_secret_certificate),
+            ("curve_authorized_keys", control.load_authorized_keys),
+        ):
+            values[key] = _resolve(values[key], Path.cwd() if key in flags else base)
+            try:
+                check(values[key])
+            except ValueError as exc:
+                raise ConfigError(f"[daemon] {key} / --{key.replace('_', '-')}: {exc}") from None
     return values
 
 
@@ -236,7 +304,7 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
         buffer_bytes = parse_size(daemon.get("buffer", DEFAULT_BUFFER))
     except ValueError as exc:
         raise ConfigError(f"[daemon] buffer / --buffer: {exc}") from None
-    daemon_values = _check_daemon_values(daemon)
+    daemon_values = _check_endpoint(_check_daemon_values(daemon), base, overrides)
 
     raw_sources = raw.get("source", [])
     if not isinstance(raw_sources, list):

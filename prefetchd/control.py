@@ -1,5 +1,12 @@
 """The control socket: JSON messages over ZeroMQ at ``ipc://<jobdir>/daemon.sock``.
 
+With ``[daemon] endpoint = "tcp://HOST:PORT"`` (``--endpoint``) the daemon listens there
+instead: on a loopback host only, unless ``curve_secret_key`` and ``curve_authorized_keys``
+are configured; then the socket is a CURVE server (encrypted, and a ZAP authenticator
+thread admits only the listed client keys). The manifest records the endpoint and the
+server's public key (``endpoint``, ``curve_public_key``); clients find both there
+(prefetchd_client.transport).
+
 The daemon binds a ROUTER socket. Peers send one JSON object per message (at most
 MAX_MESSAGE_BYTES; ZeroMQ drops larger ones before they are read):
 
@@ -15,8 +22,30 @@ and a malformed one is counted, logged and dropped. Never pickle.
 from __future__ import annotations
 
 import json
+import logging
+import os
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from prefetchd_client.layout import JobPaths, read_manifest
+from prefetchd_client.transport import (
+    client_curve,
+    connect,
+    load_public_certificate,
+    load_secret_certificate,
+    parse_tcp_endpoint,
+)
+
+from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .config import Config
 
 MAX_MESSAGE_BYTES = 64 * 1024
 _SCHEMA = {
@@ -55,24 +84,147 @@ def decode_message(data: bytes) -> dict:
     return msg
 
 
-def bind_server(context: zmq.Context, endpoint: str) -> zmq.Socket:
+@dataclass
+class ControlServer:
+    """The daemon's bound control socket, where clients reach it, and its authenticator."""
+
+    socket: zmq.Socket
+    endpoint: str  # what a client on this node connects to (the manifest's "endpoint")
+    public_key: str | None = None  # the CURVE server key clients need; None without CURVE
+    auth: ThreadAuthenticator | None = None
+
+    def close(self) -> None:
+        self.socket.close(linger=0)
+        if self.auth is not None:
+            self.auth.stop()  # joins its thread; the context cannot terminate while it runs
+
+
+def bind_server(context: zmq.Context, paths: JobPaths, config: Config) -> ControlServer:
+    """Bind the job's ROUTER: the ipc socket in the job directory, or the configured TCP
+    endpoint (its host was checked by config: loopback, or CURVE configured)."""
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-    sock.bind(endpoint)
-    return sock
+    server = ControlServer(sock, paths.endpoint)
+    try:
+        if config.endpoint == "ipc":
+            sock.bind(paths.endpoint)
+            return server
+        tcp = parse_tcp_endpoint(config.endpoint)
+        sock.setsockopt(zmq.IPV6, tcp.ipv6)
+        server.endpoint = tcp.connect_address()
+        if config.curve_secret_key is not None:
+            _serve_curve(context, server, config)
+        try:
+            sock.bind(tcp.bind_address())
+        except zmq.ZMQError as exc:
+            raise ConfigError(
+                f"[daemon] endpoint / --endpoint: cannot listen on {tcp.bind_address()}: {exc.strerror}; "
+                "choose another port (another job or program may hold this one)"
+            ) from None
+        return server
+    except BaseException:
+        server.close()
+        raise
 
 
-def request(endpoint: str, msg: dict, timeout_s: float = 3.0) -> dict | None:
-    """Send one request and wait for its reply; None if none came within the timeout."""
+def _serve_curve(context: zmq.Context, server: ControlServer, config: Config) -> None:
+    """Make the server's socket a CURVE server that admits only the authorised client keys.
+
+    The authenticator answers ZeroMQ's ZAP requests for every socket of ``context``; it runs
+    before the socket binds, so no client is ever admitted unchecked (without a ZAP handler
+    ZeroMQ would accept any client key).
+    """
+    try:
+        public, secret = load_secret_certificate(config.curve_secret_key)
+        load_authorized_keys(config.curve_authorized_keys)
+    except ValueError as exc:  # config checked them already; the files changed since
+        raise ConfigError(f"[daemon] curve keys: {exc}") from None
+    server.auth = ThreadAuthenticator(context, log=logging.getLogger("prefetchd.auth"))
+    server.auth.start()
+    # configure_curve reads the folder's *.key files again; had that failed it would log and
+    # admit nobody (fail closed). The check above makes it a clear error instead.
+    server.auth.configure_curve(domain="*", location=config.curve_authorized_keys)
+    server.socket.curve_secretkey = secret
+    server.socket.curve_publickey = public
+    server.socket.curve_server = True
+    server.public_key = public.decode("ascii")
+
+
+def load_authorized_keys(directory: str | os.PathLike) -> list[bytes]:
+    """The client public keys in ``directory``'s ``*.key`` files; ValueError says what is wrong.
+
+    Whoever can write to the folder or its files decides who gets in: they must be this
+    user's and not writable by others.
+    """
+    folder = Path(directory)
+    try:
+        st = os.stat(folder)
+    except OSError as exc:
+        raise ValueError(f"cannot read folder {folder}: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"{folder} is not a folder")
+    keys = []
+    for path in [folder, *sorted(folder.glob("*.key"))]:
+        st = os.stat(path)
+        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+            raise ValueError(
+                f"{path} must be yours and not writable by others (it decides who may connect); "
+                f"it has uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}: run chmod go-w {path}"
+            )
+        if path != folder:
+            keys.append(load_public_certificate(path))
+    if not keys:
+        raise ValueError(
+            f"{folder} holds no client certificates: copy each client's public certificate (the .key "
+            "file zmq.auth.create_certificates writes, not the .key_secret) into it"
+        )
+    return keys
+
+
+def job_endpoint(paths: JobPaths) -> tuple[str, str | None]:
+    """Where a job's daemon listens, and its CURVE public key (None without CURVE): from the
+    manifest; the ipc socket while there is none yet."""
+    try:
+        manifest = read_manifest(paths)
+    except (OSError, ValueError):
+        return paths.endpoint, None
+    endpoint, key = manifest.get("endpoint"), manifest.get("curve_public_key")
+    return (endpoint if isinstance(endpoint, str) else paths.endpoint), (key if isinstance(key, str) else None)
+
+
+def request_job(paths: JobPaths, msg: dict, timeout_s: float = 3.0) -> dict | None:
+    """``request`` to the daemon of the job at ``paths``, wherever its manifest says it listens."""
+    endpoint, server_key = job_endpoint(paths)
+    return request(endpoint, msg, timeout_s, server_key=server_key, job=paths.name)
+
+
+def request(
+    endpoint: str,
+    msg: dict,
+    timeout_s: float = 3.0,
+    *,
+    server_key: str | None = None,
+    curve_client_key: str | os.PathLike | None = None,
+    job: str = "",
+) -> dict | None:
+    """Send one request and wait for its reply; None if none came within the timeout.
+
+    With ``server_key`` (the daemon's CURVE public key) it authenticates with the client
+    certificate ``curve_client_key``, else ``$PREFETCHD_CURVE_CLIENT_KEY``; AuthError
+    (prefetchd_client.errors) when there is none or the daemon refuses it.
+    """
+    curve = client_curve(server_key, curve_client_key, job=job) if server_key is not None else None
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, 16 * 1024 * 1024)
+    deadline = time.monotonic() + timeout_s
     try:
-        sock.connect(endpoint)
+        if not connect(sock, endpoint, curve, timeout_s):
+            return None
         sock.send(json.dumps(msg).encode())
-        if not sock.poll(int(timeout_s * 1000)):
+        if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000))):
             return None
         reply = json.loads(sock.recv())
         return reply if isinstance(reply, dict) else None

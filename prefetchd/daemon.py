@@ -22,6 +22,7 @@ from pathlib import Path
 
 import psutil
 
+from prefetchd_client.errors import AuthError
 from prefetchd_client.layout import JobPaths, daemon_alive, read_manifest
 
 from . import control
@@ -114,7 +115,10 @@ def stop_job(paths: JobPaths, *, keep: bool = False, timeout_s: float = _STOP_TI
         pid = int(read_manifest(paths)["pid"])
     except (OSError, ValueError, KeyError):
         pid = None
-    reply = control.request(paths.endpoint, {"op": "stop", "keep": keep}, timeout_s=3.0)
+    try:  # at the endpoint in its manifest (ipc or TCP)
+        reply = control.request_job(paths, {"op": "stop", "keep": keep}, timeout_s=3.0)
+    except AuthError:
+        reply = None  # no usable CURVE key here: the job is ours (we read its manifest), so signal it
     if reply is None and pid is not None:
         _signal(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s

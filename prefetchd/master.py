@@ -91,6 +91,7 @@ class Master:
         self._no_space_delay, self._no_space_until = 0.0, 0.0
         self._context = zmq.Context()
         self._socket = None
+        self._control: control.ControlServer | None = None  # the socket, its endpoint, the CURVE authenticator
         self._poller: zmq.Poller | None = None
         self._watcher = None
         self.produced, self.deleted, self.bad_messages = 0, 0, 0
@@ -157,7 +158,8 @@ class Master:
             self._set_layout(fields)
         self.free_retired(sweep=True)  # a previous daemon's retired batches, still mapped or not
         self.adopt_batches()
-        self._socket = control.bind_server(self._context, self.paths.endpoint)
+        self._control = control.bind_server(self._context, self.paths, cfg)  # ipc, or TCP by --endpoint
+        self._socket = self._control.socket
         self._watcher = ProgressWatcher(str(self.paths.progress_dir))
         self._watcher.start()
         self._write_manifest()
@@ -266,7 +268,8 @@ class Master:
             "retain": cfg.retain,
             "workers": cfg.workers,
             "pid": os.getpid(),
-            "endpoint": self.paths.endpoint,
+            "endpoint": self._control.endpoint,
+            "curve_public_key": self._control.public_key,  # clients use CURVE when it is set
             "started_at": self.started_at,
         }
         _write_json(self.paths.manifest, manifest)
@@ -621,8 +624,8 @@ class Master:
     def _close_io(self) -> None:
         if self._watcher is not None:
             self._watcher.stop()
-        if self._socket is not None:
-            self._socket.close(linger=0)
+        if self._control is not None:
+            self._control.close()  # the socket, then the authenticator thread (term() waits for it)
         self._context.term()
 
     def shutdown(self) -> None:

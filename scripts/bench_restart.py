@@ -5,6 +5,8 @@ prefetchd the batches are already in the buffer; DataLoader starts its workers a
 the first batch from scratch (fork, spawn and forkserver). Runs alternate; medians.
 
     python scripts/bench_restart.py [--repeats 5] [--workers 1]
+
+``measure_restart`` is also the trainer-restart row of scripts/bench.py.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import textwrap
 import time
 from pathlib import Path
 
+from prefetchd import control
 from prefetchd.config import build_config
 from prefetchd.daemon import start_detached, stop_job
 from prefetchd.datagen import make_image_folder
@@ -33,7 +36,7 @@ PREFETCHD_TRAINER = textwrap.dedent("""
     import torch
     from prefetchd_client import PrefetchLoader
     t1 = time.perf_counter()
-    loader = PrefetchLoader("restart", root=sys.argv[1], timeout=120)
+    loader = PrefetchLoader("restart", root=sys.argv[1], rank=0, world_size=1, timeout=120)
     if sys.argv[2] != "-":
         loader.load_state_dict(json.load(open(sys.argv[2])))
     batch = next(iter(loader))
@@ -90,6 +93,76 @@ def run_trainer(script: Path, args: list[str]) -> dict:
     return result
 
 
+def wait_until_idle(paths: JobPaths, timeout_s: float = 120.0) -> None:
+    """Wait until the daemon's window is full and its workers idle: a daemon still filling its
+    buffer would take CPU from the DataLoader trainers being timed."""
+    deadline, idle_seen = time.monotonic() + timeout_s, 0
+    while time.monotonic() < deadline and idle_seen < 3:
+        status = control.request_job(paths, {"op": "status"}) or {}
+        idle_seen = idle_seen + 1 if status.get("workers", {}).get("busy", 1) == 0 else 0
+        time.sleep(0.1)
+
+
+def measure_restart(
+    data: Path,
+    root: Path,
+    *,
+    workers: int,
+    repeats: int,
+    batch: int = BATCH,
+    contexts: tuple[str, ...] = ("fork", "spawn", "forkserver"),
+    buffer: str = "512M",
+    decoder: str = "pillow",
+) -> dict[str, list[dict]]:
+    """Time fresh trainers to their first batch: prefetchd from a warm buffer, then DataLoader in
+    each multiprocessing context, alternating per repeat. ``root`` is a private job root; the
+    daemon started here is stopped before this returns, whatever happens."""
+    raw = {
+        "source": [{"kind": "image_folder", "root": str(data)}],
+        "transform": [{"op": "random_resized_crop", "size": 224}, {"op": "hflip"}],
+        "job": {"decoder": decoder},
+    }
+    cfg = build_config(
+        raw,
+        base=Path.cwd(),
+        default_name="restart",
+        overrides={"batch_size": batch, "workers": workers, "buffer": buffer, "retain": 4},
+    )
+    paths = JobPaths.of("restart", root)
+    state_file = root / "state.json"
+    rows = {"prefetchd (warm)": [], **{f"DataLoader {ctx}": [] for ctx in contexts}}
+    try:
+        start_detached(cfg, paths)
+        # The "crashed" trainer: read 3 batches (fewer in a tiny epoch, so its restart resumes
+        # inside the same epoch), keep the state a checkpoint would hold.
+        crash = textwrap.dedent(f"""
+            import json
+            from prefetchd_client import PrefetchLoader
+            loader = PrefetchLoader("restart", root="{root}", rank=0, world_size=1, as_tensors=False)
+            it = iter(loader)
+            for _ in range(min(3, len(loader) - 1)):
+                next(it)
+            json.dump(loader.state_dict(), open("{state_file}", "w"))
+        """)
+        subprocess.run([sys.executable, "-c", crash], check=True, timeout=300)
+        # The daemon fills the window ahead, as it would while the trainer restarts.
+        wait_until_idle(paths)
+        scripts = {}
+        for name, code in (("prefetchd_trainer.py", PREFETCHD_TRAINER), ("dataloader_trainer.py", DATALOADER_TRAINER)):
+            scripts[name] = root / name
+            scripts[name].write_text(code)
+        for _ in range(repeats):
+            rows["prefetchd (warm)"].append(run_trainer(scripts["prefetchd_trainer.py"], [str(root), str(state_file)]))
+            for ctx in contexts:
+                rows[f"DataLoader {ctx}"].append(
+                    run_trainer(scripts["dataloader_trainer.py"], [str(data), str(batch), str(workers), ctx])
+                )
+    finally:
+        if paths.dir.exists():
+            stop_job(paths)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=5)
@@ -100,45 +173,9 @@ def main() -> None:
     cache = Path(os.environ.get("PREFETCHD_CACHE", Path.home() / ".cache" / "prefetchd"))
     data = make_image_folder(cache / f"bench-{args.images}", classes=8, per_class=args.images // 8, size=(375, 500))
     root = Path(tempfile.mkdtemp(prefix="prefetchd-bench-", dir="/dev/shm"))
-    raw = {
-        "source": [{"kind": "image_folder", "root": str(data)}],
-        "transform": [{"op": "random_resized_crop", "size": 224}, {"op": "hflip"}],
-    }
-    cfg = build_config(
-        raw,
-        base=Path.cwd(),
-        default_name="restart",
-        overrides={"batch_size": BATCH, "workers": args.workers, "buffer": "512M", "retain": 4},
-    )
-    paths = JobPaths.of("restart", root)
-    state_file = root / "state.json"
-    rows = {"prefetchd (warm)": [], "DataLoader fork": [], "DataLoader spawn": [], "DataLoader forkserver": []}
     try:
-        start_detached(cfg, paths)
-        # The "crashed" trainer: read 3 batches, keep the state a checkpoint would hold.
-        crash = textwrap.dedent(f"""
-            import json
-            from prefetchd_client import PrefetchLoader
-            loader = PrefetchLoader("restart", root="{root}", as_tensors=False)
-            it = iter(loader)
-            for _ in range(3):
-                next(it)
-            json.dump(loader.state_dict(), open("{state_file}", "w"))
-        """)
-        subprocess.run([sys.executable, "-c", crash], check=True, timeout=300)
-        time.sleep(2.0)  # let the daemon fill the window ahead, as it would while the trainer restarts
-        scripts = {}
-        for name, code in (("prefetchd_trainer.py", PREFETCHD_TRAINER), ("dataloader_trainer.py", DATALOADER_TRAINER)):
-            scripts[name] = root / name
-            scripts[name].write_text(code)
-        for _ in range(args.repeats):
-            rows["prefetchd (warm)"].append(run_trainer(scripts["prefetchd_trainer.py"], [str(root), str(state_file)]))
-            for ctx in ("fork", "spawn", "forkserver"):
-                rows[f"DataLoader {ctx}"].append(
-                    run_trainer(scripts["dataloader_trainer.py"], [str(data), str(BATCH), str(args.workers), ctx])
-                )
+        rows = measure_restart(data, root, workers=args.workers, repeats=args.repeats)
     finally:
-        stop_job(paths)
         shutil.rmtree(root, ignore_errors=True)
 
     print(

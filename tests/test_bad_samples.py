@@ -36,45 +36,48 @@ def spoil(folder, rng, fraction: float) -> set[str]:
     return {str(files[i]) for i in chosen}
 
 
-def read_epoch(job: str) -> tuple[list[dict], list[np.ndarray]]:
+def read_epoch(job: str, batch_size: int = 4) -> tuple[list[dict], list[np.ndarray]]:
     loader = PrefetchLoader(job, as_tensors=False)
     headers, images = [], []
     for step, batch in enumerate(loader):
         headers.append(map_batch(loader._paths.batch(0, step, 0))[0]["meta"])
         images.append(batch["image"].copy())
-        assert len(batch["index"]) == 4
+        assert len(batch["index"]) == batch_size
     loader.close()
     return headers, images
 
 
-@pytest.mark.parametrize("fraction", [0.01, 0.1])
-def test_bad_samples_are_replaced_counted_and_identical_across_runs(tmp_path, job_root, fraction):
-    data = make_image_folder(tmp_path / "data", classes=4, per_class=50, size=(40, 80), seed=7)
+# 0.1 % needs 1,000 files for one bad one; 50 batches per epoch in every case.
+@pytest.mark.parametrize("fraction, images", [(0.001, 1000), (0.01, 200), (0.1, 200)])
+def test_bad_samples_are_replaced_counted_and_identical_across_runs(tmp_path, job_root, fraction, images):
+    batch = images // 50
+    data = make_image_folder(tmp_path / "data", classes=4, per_class=images // 4, size=(24, 48), seed=7)
     # A file list, indexed without looking at the files, so a vanished file is still a sample.
     files = sorted(data.rglob("*.jpg"))
     (tmp_path / "train.txt").write_text("".join(f"{p},{i % 4}\n" for i, p in enumerate(files)))
     bad = spoil(data, np.random.default_rng(1), fraction)
     cfg = tmp_path / "job.toml"
     cfg.write_text(
-        '[job]\nname = "job"\nbatch_size = 4\n[daemon]\nworkers = 2\nbuffer = "8M"\n'
+        f'[job]\nname = "job"\nbatch_size = {batch}\n[daemon]\nworkers = 2\nbuffer = "8M"\n'
         '[[source]]\nkind = "file_list"\npath = "train.txt"\n[[transform]]\nop = "random_resized_crop"\nsize = 16\n'
     )
     runs = []
     for _ in range(2):
         paths = start_job(cfg)
-        headers, images = read_epoch("job")
+        headers, pixels = read_epoch("job", batch)
         status = control.request(paths.endpoint, {"op": "status"})
         assert cli("stop", "job").returncode == 0
-        runs.append((headers, images, status))
+        runs.append((headers, pixels, status))
         log_text = paths.log.read_text() if paths.log.exists() else ""
         assert log_text == ""  # stop removed the job directory, log included
-    (headers, images, status), (headers2, images2, _) = runs
-    assert len(headers) == 50  # 200 samples / 4: the number of batches never changes
+    (headers, pixels, status), (headers2, pixels2, _) = runs
+    assert len(headers) == 50  # the number of batches never changes
     replaced = [r for h in headers for r in h["replaced"]]
     assert {r["path"] for r in replaced} == bad, "every bad file is replaced, and only those"
     assert all(r["replacement"] != r["index"] for r in replaced)
     assert status["totals"]["bad_samples"] >= len(bad)  # produced batches may run past the epoch
-    assert headers == headers2 and all(np.array_equal(a, b) for a, b in zip(images, images2))
+    assert headers == headers2 and all(np.array_equal(a, b) for a, b in zip(pixels, pixels2))
+    print(f"\n[figure] {fraction:.1%} bad ({len(bad)} of {images}): all replaced, 50 batches, runs identical")
 
 
 def test_on_error_fail_stops_naming_the_file(tmp_path, job_root):

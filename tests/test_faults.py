@@ -3,9 +3,12 @@ reads must stay byte-for-byte the fault-free one, with nothing lost or duplicate
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -61,8 +64,11 @@ def test_killed_workers_are_replaced_and_nothing_is_lost_or_duplicated(
             got.append((epoch, step, digest(batch)))
             live = workers_of(paths)
             if live and rng.random() < 0.9:  # kill -9 a random worker, mid-production
-                live[rng.integers(len(live))].kill()
-                kills += 1
+                try:
+                    live[rng.integers(len(live))].kill()
+                    kills += 1
+                except psutil.NoSuchProcess:
+                    pass  # one killed a moment ago, still exiting when listed, reaped since
     loader.close()
     assert kills >= min_kills
     assert got == expected
@@ -197,3 +203,92 @@ def test_a_daemon_killed_at_random_points_never_serves_a_torn_batch(tmp_path, jp
         f"\n[figure] daemon kill -9 at {kills} random points over {epochs} epochs: {len(got)} batches verified, "
         f"0 torn, stream equal"
     )
+
+
+# A trainer that checkpoints after every step: the records of the batches it trained on and
+# the loader state, in one file replaced atomically (as a checkpoint is), so a kill -9 never
+# separates the two. It prints each step it checkpointed; --hold-at S makes it wait on stdin
+# after checkpointing step S (an exact kill point, like an epoch boundary).
+TRAINER = textwrap.dedent("""
+    import hashlib, json, os, sys
+    import numpy as np
+    from prefetchd_client import PrefetchLoader
+
+    ckpt, epochs, hold = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    loader = PrefetchLoader("job", rank=0, world_size=1, as_tensors=False, timeout=60)
+    records = []
+    if os.path.exists(ckpt):
+        saved = json.load(open(ckpt))
+        records = saved["records"]
+        loader.load_state_dict(saved["state"])
+    while loader.position[0] < epochs:
+        epoch, first = loader.position
+        for step, batch in enumerate(loader, start=first):
+            h = hashlib.sha256()
+            for name in sorted(batch):
+                h.update(name.encode())
+                h.update(np.ascontiguousarray(batch[name]).tobytes())
+            records.append([epoch, step, h.hexdigest()])
+            with open(ckpt + ".tmp", "w") as f:
+                json.dump({"records": records, "state": loader.state_dict()}, f)
+            os.replace(ckpt + ".tmp", ckpt)
+            print(len(records), flush=True)
+            if len(records) == hold:
+                sys.stdin.readline()
+    loader.close()
+""")
+
+
+def run_trainer_until_killed(script, ckpt, epochs: int, kill_at: int, hold: bool) -> bool:
+    """Run the trainer; kill -9 it once it has checkpointed ``kill_at`` steps (at once when it
+    holds there, else wherever it has got to by then). False if it finished first."""
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(ckpt), str(epochs), str(kill_at if hold else -1)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        for line in proc.stdout:
+            if int(line) >= kill_at:
+                proc.kill()
+                break
+        proc.wait(60)
+        return proc.returncode == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        proc.stdin.close()
+        proc.stdout.close()
+
+
+def test_a_trainer_killed_at_random_steps_and_epoch_boundaries_resumes_the_same_stream(
+    tmp_path, jpeg_folder, job_root
+):
+    epochs, per_epoch = 3, 12
+    kw = dict(batch_size=4, workers=1, seed=23, buffer="200K")
+    start_job(write_config(tmp_path, jpeg_folder, name="ref3", **kw))
+    expected, _ = read("ref3", 0, 1, epochs=epochs)
+    assert cli("stop", "ref3").returncode == 0
+    start_job(write_config(tmp_path, jpeg_folder, name="job", **kw))
+    script, ckpt = tmp_path / "trainer.py", tmp_path / "ckpt.json"
+    script.write_text(TRAINER)
+    rng = np.random.default_rng(5)
+    # Exact kills at both epoch boundaries, and free-running kills at random steps between.
+    boundaries = [(per_epoch, True), (2 * per_epoch, True)]
+    randoms = [(int(k), False) for k in rng.choice(np.arange(1, epochs * per_epoch - 1), size=4, replace=False)]
+    kills = 0
+    for kill_at, hold in sorted(boundaries + randoms):
+        done = json.loads(ckpt.read_text())["records"] if ckpt.exists() else []
+        if kill_at <= len(done):
+            continue  # a free-running trainer got past this point before its kill landed
+        kills += run_trainer_until_killed(script, ckpt, epochs, kill_at, hold)
+    finish = subprocess.run(
+        [sys.executable, str(script), str(ckpt), str(epochs), "-1"], capture_output=True, text=True, timeout=120
+    )
+    assert finish.returncode == 0, finish.stderr
+    got = [tuple(r) for r in json.loads(ckpt.read_text())["records"]]
+    assert kills >= 4
+    assert got == expected
+    print(f"\n[figure] trainer kill -9 {kills} times (2 at epoch boundaries) over {epochs} epochs: stream equal")

@@ -1,11 +1,12 @@
 """prefetchd client: read batches that the prefetchd daemon wrote ahead into a tmpfs buffer."""
 
 from .batchfile import BatchLayout, BatchWriter, FieldSpec, map_batch, parse_header
-from .errors import BatchFormatError, BatchTimeout, DaemonDied, JobNotRunning, PlanMismatch, PrefetchError
+from .errors import AuthError, BatchFormatError, BatchTimeout, DaemonDied, JobNotRunning, PlanMismatch, PrefetchError
 from .layout import JobPaths, resolve_root
 from .loader import PrefetchLoader
 
 __all__ = [
+    "AuthError",
     "BatchFormatError",
     "BatchLayout",
     "BatchTimeout",

@@ -23,3 +23,7 @@ class PlanMismatch(PrefetchError):
 
 class BatchFormatError(PrefetchError, ValueError):
     """A batch file is not a valid prefetchd batch (see prefetchd_client.batchfile)."""
+
+
+class AuthError(PrefetchError):
+    """The job requires CURVE and this client's key is missing, unusable or not authorised."""

@@ -6,7 +6,7 @@ environment finds a job by its name alone::
     <root>/<job>/
       manifest.json      plan summary the client needs (written once the daemon serves)
       daemon.lock        flock held by the daemon for its whole life
-      daemon.sock        ZeroMQ ipc endpoint
+      daemon.sock        ZeroMQ ipc endpoint (a TCP job has none: the manifest names its endpoint)
       daemon.log
       progress/rank-<r>  "<epoch> <step>": the next batch rank r will read
       batches/           finished batches, e<epoch>-s<step>-r<rank>.batch

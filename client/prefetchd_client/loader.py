@@ -16,9 +16,9 @@ from collections.abc import Iterator
 
 import zmq
 
-from . import batchfile
+from . import batchfile, transport
 from .device import DeviceFeeder
-from .errors import BatchFormatError, BatchTimeout, DaemonDied, JobNotRunning, PlanMismatch
+from .errors import AuthError, BatchFormatError, BatchTimeout, DaemonDied, JobNotRunning, PlanMismatch
 from .layout import JobPaths, daemon_alive, hold_trainer_lock, read_manifest
 
 STATE_VERSION = 1
@@ -26,6 +26,7 @@ _LIVENESS_CHECK_S = 0.5  # how often a waiting client checks the daemon and repe
 _MAX_POLL_S = 0.005  # longest sleep between looks for a batch file
 _SEND_QUEUE = 64  # position reports that may wait for the daemon; only the latest matters
 _CLOSE_LINGER_MS = 200
+_HANDSHAKE_TIMEOUT_S = 10.0  # a CURVE handshake on this node takes milliseconds
 VERIFY_ENV = "PREFETCHD_VERIFY"
 
 
@@ -92,6 +93,10 @@ class PrefetchLoader:
     and a side stream on CUDA (see prefetchd_client.device). ``normalize=(mean, std)`` (with
     ``device``): ``image`` becomes float32 [B, 3, H, W], ``(x / 255 - mean) / std``, made on
     the device.
+
+    ``curve_client_key`` (default: ``$PREFETCHD_CURVE_CLIENT_KEY``): this client's secret
+    certificate, for a job whose daemon uses CURVE (its manifest has ``curve_public_key``).
+    A missing, unusable or refused key raises AuthError here, not a batch timeout later.
     """
 
     def __init__(
@@ -107,6 +112,7 @@ class PrefetchLoader:
         verify: bool | None = None,
         device=None,
         normalize=None,
+        curve_client_key: str | os.PathLike | None = None,
     ):
         self._paths = JobPaths.of(job, root)
         self.manifest = self._read_manifest()
@@ -128,12 +134,22 @@ class PrefetchLoader:
         elif normalize is not None:
             raise ValueError("normalize= is applied on a device: pass device= too (device='cpu' on a CPU)")
         self._epoch, self._step = 0, 0  # the next batch this rank reads
+        server_key = self.manifest.get("curve_public_key")
+        curve = transport.client_curve(server_key, curve_client_key, job=job) if server_key else None
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
-        # Reports queue while the ipc connection comes up (it is asynchronous) and are
+        # Reports queue while the connection comes up (it is asynchronous) and are
         # dropped once _SEND_QUEUE are waiting: a dead daemon costs the trainer nothing.
         self._socket.setsockopt(zmq.SNDHWM, _SEND_QUEUE)
-        self._socket.connect(self.manifest["endpoint"])
+        try:  # with CURVE, wait for the handshake: a refused key would otherwise drop every report
+            if not transport.connect(self._socket, self.manifest["endpoint"], curve, _HANDSHAKE_TIMEOUT_S):
+                raise AuthError(
+                    f"no CURVE handshake with the daemon of job {job!r} at {self.manifest['endpoint']} within "
+                    f"{_HANDSHAKE_TIMEOUT_S:.0f} s; check `prefetchd status {job}` and {self._paths.log}"
+                )
+        except BaseException:
+            _close_socket(self._context, self._socket, None)
+            raise
         # Tells the daemon this rank's trainer lives (a paused one too) until the process ends.
         self._trainer_fd = hold_trainer_lock(self._paths, self.rank)
         # Deliver the last reports at exit, but never wait on a dead daemon for long.
