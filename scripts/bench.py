@@ -63,7 +63,7 @@ from rich.console import Console
 from rich.table import Table
 from torch.utils.data import DataLoader, Dataset
 
-from prefetchd import control
+from prefetchd import control, fastdecode
 from prefetchd.config import build_config, default_workers
 from prefetchd.daemon import start_detached, stop_job
 from prefetchd.datagen import make_image
@@ -78,6 +78,7 @@ RECIPES = {
 }
 RECIPE_NAMES = {"rrc": "random-resized-crop 224 + flip", "classic": "short side 256-480 + crop 224 + flip"}
 SYSTEMS = ("prefetchd", "dataloader_persistent", "dataloader_fresh")
+FAST = "prefetchd_fast"  # the throughput rows also run prefetchd with decoder = "simplejpeg"
 SYSTEM_NAMES = {
     "prefetchd": "prefetchd",
     "dataloader_persistent": "DataLoader persistent_workers=True",
@@ -86,6 +87,7 @@ SYSTEM_NAMES = {
 ROWS = (
     "throughput_rrc",
     "throughput_classic",
+    "throughput_fast",
     "scaling_rrc",
     "scaling_classic",
     "steady_trainer",
@@ -260,12 +262,12 @@ class Run:
     def log(self, text: str) -> None:
         self.console.log(text, highlight=False)
 
-    def start_job(self, recipe: str, tag: str, **overrides) -> tuple[JobPaths, int]:
+    def start_job(self, recipe: str, tag: str, decoder: str | None = None, **overrides) -> tuple[JobPaths, int]:
         """Start a prefetchd daemon serving `recipe` on this run's data; returns (paths, master pid)."""
         s = self.s
         name = f"{tag}-{next(self._names)}"
         raw = {
-            "job": {"decoder": s.decoder},
+            "job": {"decoder": decoder or s.decoder},
             "source": [{"kind": "image_folder", "root": str(self.data)}],
             "transform": RECIPES[recipe],
         }
@@ -325,8 +327,8 @@ def open_system(run: Run, system: str, recipe: str, tag: str) -> Iterator[tuple]
     """Yield (loader, paths, master pid) ready to iterate; paths and pid are None for DataLoader.
     The daemon is started fresh (empty buffer) and stopped on the way out."""
     s = run.s
-    if system == "prefetchd":
-        paths, pid = run.start_job(recipe, tag)
+    if system in ("prefetchd", FAST):
+        paths, pid = run.start_job(recipe, tag, decoder="simplejpeg" if system == FAST else None)
         loader = PrefetchLoader(paths.name, root=run.root, rank=0, world_size=1, timeout=120)
         try:
             yield loader, paths, pid
@@ -586,11 +588,12 @@ def rotated(items: tuple, r: int) -> tuple:
 
 
 def measure_throughput(run: Run, results: dict) -> None:
-    tp = results["throughput"] = {rc: {sy: [] for sy in SYSTEMS} for rc in RECIPES}
+    systems = (*SYSTEMS, FAST) if fast_decoder_missing() is None else SYSTEMS
+    tp = results["throughput"] = {rc: {sy: [] for sy in systems} for rc in RECIPES}
     ip = results["inprocess"] = {rc: [] for rc in RECIPES}
     for r in range(run.s.repeats):
         for recipe in RECIPES:
-            for system in rotated((*SYSTEMS, "inprocess"), r):
+            for system in rotated((*systems, "inprocess"), r):
                 if system == "inprocess":
                     ip[recipe].append(inprocess_run(run, recipe))
                     got = ip[recipe][-1]
@@ -598,6 +601,15 @@ def measure_throughput(run: Run, results: dict) -> None:
                     tp[recipe][system].append(throughput_run(run, system, recipe))
                     got = tp[recipe][system][-1]
                 run.log(f"throughput {recipe} #{r}: {system} {got['images_per_s']:.0f} img/s")
+
+
+def fast_decoder_missing() -> str | None:
+    """Why prefetchd's fast decoder cannot run here (its extra is not installed), or None."""
+    try:
+        fastdecode.require()
+    except ImportError as exc:
+        return str(exc)
+    return None
 
 
 # ---------------------------------------------------------------- rows: trainers
@@ -784,7 +796,7 @@ def summarize(results: dict, s: Settings) -> list[dict]:
             | {"target": target, "holds": holds, "values": values}
         )
 
-    tp = {rc: {sy: med(x["images_per_s"] for x in results["throughput"][rc][sy]) for sy in SYSTEMS} for rc in RECIPES}
+    tp = {rc: {sy: med(x["images_per_s"] for x in v) for sy, v in results["throughput"][rc].items()} for rc in RECIPES}
     for recipe, goal in (("rrc", 1.0), ("classic", 1.5)):
         t = tp[recipe]
         best = max(t["dataloader_persistent"], t["dataloader_fresh"])
@@ -799,6 +811,24 @@ def summarize(results: dict, s: Settings) -> list[dict]:
             ratio >= goal,
             {**t, "ratio": ratio},
         )
+    if FAST in tp["rrc"]:
+        # The fast decoder against the usual DataLoader (Pillow), recipe by recipe; the target is
+        # on the worse of the two ratios.
+        ratios = {rc: tp[rc][FAST] / max(tp[rc]["dataloader_persistent"], tp[rc]["dataloader_fresh"]) for rc in RECIPES}
+        row(
+            "throughput_fast",
+            "throughput, fast decoder (simplejpeg + OpenCV) vs DataLoader (Pillow): rrc / classic (img/s)",
+            f"{tp['rrc'][FAST]:.0f} / {tp['classic'][FAST]:.0f}",
+            f"best {max(tp['rrc']['dataloader_persistent'], tp['rrc']['dataloader_fresh']):.0f} / "
+            f"{max(tp['classic']['dataloader_persistent'], tp['classic']['dataloader_fresh']):.0f}",
+            f"{ratios['rrc']:.2f}x / {ratios['classic']:.2f}x",
+            ">= 1.4x",
+            min(ratios.values()) >= 1.4,
+            {"images_per_s": {rc: tp[rc][FAST] for rc in RECIPES}, "ratio": ratios},
+        )
+    else:
+        why = fast_decoder_missing()
+        row("throughput_fast", "throughput, fast decoder", f"not run: {why}", "-", "", ">= 1.4x", None, {"why": why})
     for recipe in RECIPES:
         one = med(x["images_per_s"] for x in results["inprocess"][recipe])
         many = med(x["parallel_images_per_s"] for x in results["inprocess"][recipe])

@@ -20,6 +20,7 @@ from prefetchd.datagen import make_image_folder
 from prefetchd_client.layout import JobPaths, daemon_alive, read_manifest
 
 SHM = "/dev/shm"
+JOB_ROOT_PREFIX = "prefetchd-test-"  # each test's private job root under SHM
 
 
 @pytest.fixture(scope="session")
@@ -44,7 +45,7 @@ def small_tmpfs(tmp_path):
 
 @pytest.fixture
 def job_root(monkeypatch) -> Path:
-    root = Path(tempfile.mkdtemp(prefix="prefetchd-test-", dir=SHM))
+    root = Path(tempfile.mkdtemp(prefix=JOB_ROOT_PREFIX, dir=SHM))
     monkeypatch.setenv("PREFETCHD_ROOT", str(root))
     yield root
     # Stop what the test started (by the pids in its manifests) and prove it is all gone.

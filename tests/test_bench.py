@@ -17,6 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 ROWS = {
     "throughput_rrc",
     "throughput_classic",
+    "throughput_fast",
     "scaling_rrc",
     "scaling_classic",
     "steady_trainer",
@@ -46,8 +47,8 @@ def test_quick_bench_reports_every_row_and_cleans_up(tmp_path):
         assert r["prefetchd"] and r["dataloader"], r
     # The raw figures behind the rows: both recipes, all three systems, every repeat.
     for recipe in ("rrc", "classic"):
-        for system in ("prefetchd", "dataloader_persistent", "dataloader_fresh"):
-            assert len(report["throughput"][recipe][system]) == 1
+        for system in ("prefetchd", "prefetchd_fast", "dataloader_persistent", "dataloader_fresh"):
+            assert len(report["throughput"][recipe][system]) == 1  # the dev extra has the fast decoder
     for kind in ("steady", "bursty"):
         assert report[kind]["prefetchd"][0]["timeline"]["buffer"], "no buffer samples for the timeline"
     assert set(report["restart"]) == {"prefetchd (warm)", "DataLoader fork"}

@@ -16,7 +16,7 @@ import pytest
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.layout import read_manifest
 
-from .conftest import SHM, cli, daemon_family, start_job, wait_pids_gone, wait_until, write_config
+from .conftest import JOB_ROOT_PREFIX, SHM, cli, daemon_family, start_job, wait_pids_gone, wait_until, write_config
 from .test_faults import workers_of
 
 pytestmark = pytest.mark.timeout(600)
@@ -59,9 +59,15 @@ def test_worker_restarts_leak_no_descriptor_or_process(tmp_path, jpeg_folder, jo
     )
 
 
+def shm_entries() -> set[str]:
+    """What is in /dev/shm but the job roots of tests (this one's, and those of tests running
+    beside it under pytest -n, which come and go): semaphores, shared memory, stray jobs."""
+    return {name for name in os.listdir(SHM) if not name.startswith(JOB_ROOT_PREFIX)}
+
+
 @pytest.mark.parametrize("restarts", [3, pytest.param(10, marks=pytest.mark.long)], ids=["short", "long"])
 def test_daemon_restarts_leave_nothing_behind(tmp_path, jpeg_folder, job_root, restarts):
-    shm_before = set(os.listdir(SHM)) - {job_root.name}
+    shm_before = shm_entries()
     config = write_config(tmp_path, jpeg_folder, batch_size=4, workers=2, buffer="200K")
     paths = start_job(config)
     dead: list[int] = []
@@ -97,7 +103,7 @@ def test_daemon_restarts_leave_nothing_behind(tmp_path, jpeg_folder, job_root, r
     assert cli("stop", "job").returncode == 0
     wait_pids_gone(family)
     assert not paths.dir.exists()
-    assert set(os.listdir(SHM)) - {job_root.name} == shm_before
+    assert shm_entries() == shm_before
     print(
         f"\n[figure] {restarts} daemon kill -9 + restarts: {len(dead)} processes ended, none left; the job "
         "directory held only its own entries; nothing left in /dev/shm after stop"

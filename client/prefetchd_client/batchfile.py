@@ -31,6 +31,7 @@ inside the header, and an extent (offset + size) within the file; extents do not
 
 from __future__ import annotations
 
+import copy
 import errno
 import fcntl
 import hashlib
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import BatchFormatError
+from .unmapper import UNMAPPER
 
 MAGIC = b"PFDBATCH"
 VERSION = 1
@@ -169,6 +171,11 @@ def _nonneg_int(v, what: str) -> int:
     return v
 
 
+# The itemsize of each allowed dtype, looked up once: the parser runs on every batch a trainer
+# reads, and np.dtype() per field would cost more than the rest of the checks.
+_ITEMSIZE = {name: np.dtype(name).itemsize for name in ALLOWED_DTYPES}
+
+
 def parse_header(buf, size: int) -> dict:
     """Validate the preamble and header of a batch held in ``buf`` (``size`` bytes).
 
@@ -187,33 +194,67 @@ def parse_header(buf, size: int) -> dict:
         header = json.loads(bytes(buf[PREAMBLE.size : PREAMBLE.size + hlen]).decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise _fail(f"header is not UTF-8 JSON ({exc})") from None
-    if not isinstance(header, dict):
+    if type(header) is not dict:
         raise _fail("header is not a JSON object")
     for key in ("epoch", "step", "rank"):
         _nonneg_int(header.get(key), key)
-    if not isinstance(header.get("meta", {}), dict):
+    if type(header.get("meta", {})) is not dict:
         raise _fail("meta must be an object")
     fields = header.get("fields")
-    if not isinstance(fields, list) or not 1 <= len(fields) <= MAX_FIELDS:
+    data_floor = PREAMBLE.size + hlen
+    memo = _last_fields
+    # Every batch of a job has the same field table: one that equals the last table checked
+    # passes the same checks, but for the two that depend on this file (header length, size).
+    # Python's == holds for 1.0 and True against 1: the numbers must be ints, as checked.
+    if (
+        memo is not None
+        and fields == memo.table
+        and _all_ints(fields)
+        and memo.first_offset >= data_floor
+        and memo.end <= size
+    ):
+        for f, nbytes in zip(fields, memo.nbytes):
+            f["nbytes"] = nbytes
+        return header
+    table = copy.deepcopy(fields)
+    _check_fields(fields, data_floor, size)
+    _remember_fields(table, fields)
+    return header
+
+
+def _all_ints(fields: list) -> bool:
+    for f in fields:
+        if type(f["offset"]) is not int:
+            return False
+        for d in f["shape"]:
+            if type(d) is not int:
+                return False
+    return True
+
+
+def _check_fields(fields, data_floor: int, size: int) -> None:
+    """The field table's checks (module docstring); adds each field's ``nbytes``."""
+    if type(fields) is not list or not 1 <= len(fields) <= MAX_FIELDS:
         raise _fail(f"fields must be a list of 1 to {MAX_FIELDS} entries")
     extents, names = [], set()
     for i, f in enumerate(fields):
-        if not isinstance(f, dict):
+        if type(f) is not dict:
             raise _fail(f"field #{i} is not an object")
         name, dtype, shape, offset = f.get("name"), f.get("dtype"), f.get("shape"), f.get("offset")
-        if not isinstance(name, str) or not 1 <= len(name) <= 64 or name in names:
+        if type(name) is not str or not 1 <= len(name) <= 64 or name in names:
             raise _fail(f"field #{i} has a missing, overlong or repeated name")
         names.add(name)
-        if not isinstance(dtype, str) or dtype not in ALLOWED_DTYPES:
+        itemsize = _ITEMSIZE.get(dtype) if type(dtype) is str else None
+        if itemsize is None:
             raise _fail(f"field {name!r}: dtype {dtype!r:.40} not allowed")
-        if not isinstance(shape, list) or len(shape) > MAX_DIMS:
+        if type(shape) is not list or len(shape) > MAX_DIMS:
             raise _fail(f"field {name!r}: shape must be a list of at most {MAX_DIMS} dimensions")
+        nbytes = itemsize
         for d in shape:
-            _nonneg_int(d, f"field {name!r} dimension")
+            nbytes *= _nonneg_int(d, f"field {name!r} dimension")
         _nonneg_int(offset, f"field {name!r} offset")
-        if offset % FIELD_ALIGN or offset < PREAMBLE.size + hlen:
+        if offset % FIELD_ALIGN or offset < data_floor:
             raise _fail(f"field {name!r}: offset {offset} misaligned or inside the header")
-        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
         if offset + nbytes > size:
             raise _fail(f"field {name!r}: extent {offset}+{nbytes} runs past the end of the {size}-byte file")
         f["nbytes"] = nbytes
@@ -222,10 +263,33 @@ def parse_header(buf, size: int) -> dict:
     for (_, end, a), (start, _, b) in zip(extents, extents[1:]):
         if start < end:
             raise _fail(f"fields {a!r} and {b!r} overlap")
-    return header
 
 
-def map_batch(path: str | os.PathLike, *, pin: bool = True) -> tuple[dict, dict[str, np.ndarray]]:
+@dataclass(frozen=True)
+class _CheckedFields:
+    table: list  # the field table as parsed, before nbytes was added
+    nbytes: tuple[int, ...]
+    first_offset: int  # the checks that depend on the file: first_offset >= 16 + H, end <= size
+    end: int
+
+
+_last_fields: _CheckedFields | None = None
+
+
+def _remember_fields(table: list, checked: list) -> None:
+    global _last_fields
+    # One tuple assignment: a reader in another thread sees the old memo or the new, whole.
+    _last_fields = _CheckedFields(
+        table,
+        tuple(f["nbytes"] for f in checked),
+        min(f["offset"] for f in checked),
+        max(f["offset"] + f["nbytes"] for f in checked),
+    )
+
+
+def map_batch(
+    path: str | os.PathLike, *, pin: bool = True, unmap_in_background: bool = False
+) -> tuple[dict, dict[str, np.ndarray]]:
     """Map a batch file and return (header, arrays) without copying the data.
 
     The map is private copy-on-write: the arrays are writable (torch wants that) while
@@ -236,22 +300,35 @@ def map_batch(path: str | os.PathLike, *, pin: bool = True) -> tuple[dict, dict[
     when the last array over this map is freed). The daemon tries an exclusive lock before
     it frees a consumed batch: a file still mapped keeps counting against the byte bound.
     A file the daemon has already retired raises FileNotFoundError, like a missing one.
+
+    ``unmap_in_background``: once the arrays are freed, the mapping is closed on a background
+    thread (prefetchd_client.unmapper), not in the thread that dropped the last of them.
     """
-    with open(path, "rb") as f:
+    # os.open, not open(): no buffered file object on a path that runs for every batch.
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
         if pin:
             try:
-                fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:  # the daemon holds it this instant: it is freeing it
                 raise FileNotFoundError(errno.ENOENT, "batch is being retired", str(path)) from None
-            if os.fstat(f.fileno()).st_nlink == 0:  # freed between our open and our lock
-                raise FileNotFoundError(errno.ENOENT, "batch was retired", str(path))
-        size = os.fstat(f.fileno()).st_size
+        st = os.fstat(fd)
+        if pin and st.st_nlink == 0:  # freed between our open and our lock
+            raise FileNotFoundError(errno.ENOENT, "batch was retired", str(path))
+        size = st.st_size
         if size < PREAMBLE.size:
             raise _fail(f"{path}: {size} bytes, shorter than the {PREAMBLE.size}-byte preamble")
-        buf = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+        buf = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)  # the map keeps its own duplicate, and with it the lock
     header = parse_header(buf, size)
+    # One buffer export for the whole file, then a view per field: cheaper than a
+    # frombuffer per field. Offsets are multiples of 64, so every view is aligned.
+    whole = np.frombuffer(buf, dtype=np.uint8)
+    if unmap_in_background:
+        UNMAPPER.adopt(whole, buf)
     arrays = {}
     for f in header["fields"]:
-        count = math.prod(f["shape"])
-        arrays[f["name"]] = np.frombuffer(buf, dtype=f["dtype"], count=count, offset=f["offset"]).reshape(f["shape"])
+        start = f["offset"]
+        arrays[f["name"]] = whole[start : start + f["nbytes"]].view(f["dtype"]).reshape(f["shape"])
     return header, arrays

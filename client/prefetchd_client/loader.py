@@ -2,7 +2,9 @@
 
 Each ``iter()`` is one epoch from the current position. For every batch the loader tells
 the daemon its position over ZeroMQ (never blocking: a slow or dead daemon never stalls the
-trainer), waits for the batch file with a deadline, and maps it without copying.
+trainer), waits for the batch file with a deadline, and maps it without copying. A thread
+of the loader's (prefetchd_client.readahead) does that for the next batch while the trainer
+works on this one, and mappings are closed off the trainer's thread too (unmapper).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -20,6 +23,7 @@ from . import batchfile, transport
 from .device import DeviceFeeder
 from .errors import AuthError, BatchFormatError, BatchTimeout, DaemonDied, JobNotRunning, PlanMismatch
 from .layout import JobPaths, daemon_alive, hold_trainer_lock, read_manifest
+from .readahead import ReadAhead
 
 STATE_VERSION = 1
 _LIVENESS_CHECK_S = 0.5  # how often a waiting client checks the daemon and repeats its position
@@ -134,6 +138,8 @@ class PrefetchLoader:
         elif normalize is not None:
             raise ValueError("normalize= is applied on a device: pass device= too (device='cpu' on a CPU)")
         self._epoch, self._step = 0, 0  # the next batch this rank reads
+        self._reader: ReadAhead | None = None  # maps the next batch while the trainer holds this one
+        self._send_lock = threading.Lock()
         server_key = self.manifest.get("curve_public_key")
         curve = transport.client_curve(server_key, curve_client_key, job=job) if server_key else None
         self._context = zmq.Context()
@@ -219,11 +225,16 @@ class PrefetchLoader:
         n = len(self)
         self._epoch, self._step = self.position
         epoch = self._epoch
-        for step in range(self._step, n):
-            self._report(epoch, step)
-            batch = self._fetch(epoch, step)
-            self._step = step + 1
-            yield batch
+        if self._reader is not None:  # an iterator left mid-epoch: only one thread reads
+            self._reader.stop()
+        reader = self._reader = ReadAhead(self._fetch, self._report, epoch, self._step, n, self.timeout)
+        try:
+            for step in range(self._step, n):
+                batch = reader.take(step)
+                self._step = step + 1
+                yield batch if self._feeder is None else self._feeder(batch)
+        finally:
+            reader.stop()
         self._epoch, self._step = epoch + 1, 0
         self._report(epoch + 1, 0)
 
@@ -269,16 +280,22 @@ class PrefetchLoader:
         self._report(self._epoch, self._step)
 
     def close(self) -> None:
+        if self._reader is not None:
+            self._reader.stop()
         self._finalizer()
 
     # -- internals -------------------------------------------------------------------------
 
     def _report(self, epoch: int, step: int) -> None:
         msg = {"op": "position", "rank": self.rank, "epoch": epoch, "step": step, "pid": os.getpid()}
-        try:
-            self._socket.send(json.dumps(msg).encode(), zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # the daemon is slow or gone: the next report, or the wait loop, repeats it
+        # The read-ahead thread reports too; a ZeroMQ socket is safe across threads with a lock.
+        with self._send_lock:
+            try:
+                self._socket.send(json.dumps(msg).encode(), zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # the daemon is slow or gone: the next report, or the wait loop, repeats it
+            except zmq.ZMQError:
+                pass  # closed under a read-ahead thread that is stopping
 
     def _check_batch(self, path, header: dict, arrays: dict, epoch: int, step: int) -> None:
         """Test mode: prove the batch is the one asked for, of this job, and not torn."""
@@ -290,14 +307,16 @@ class PrefetchLoader:
         if digest != header["meta"].get("sha256"):
             raise BatchFormatError(f"{path}: its bytes do not match the SHA-256 in its header (torn write?)")
 
-    def _fetch(self, epoch: int, step: int) -> dict:
+    def _fetch(self, epoch: int, step: int, reader: ReadAhead) -> dict:
+        """Wait for batch (epoch, step) and map it, on the read-ahead thread: between looks,
+        ``reader.waiting()`` reports the trainer's progress and raises Stopped once it left."""
         path = self._paths.batch(epoch, step, self.rank)
         start = time.monotonic()
         deadline, next_check = start + self.timeout, start + _LIVENESS_CHECK_S
         delay, dead_since = 0.0002, None
         while True:
             try:
-                header, arrays = batchfile.map_batch(path)
+                header, arrays = batchfile.map_batch(path, unmap_in_background=True)
                 break
             except FileNotFoundError:
                 pass
@@ -314,7 +333,7 @@ class PrefetchLoader:
                         f"epoch {epoch} step {step}{f' ({reason})' if reason else ''}; see {self._paths.log} "
                         "and restart it with `prefetchd start`"
                     )
-                self._report(epoch, step)
+                reader.waiting(resend=True)  # a restarted daemon learns where this rank is
                 next_check = now + _LIVENESS_CHECK_S
             if now >= deadline:
                 raise BatchTimeout(
@@ -323,11 +342,12 @@ class PrefetchLoader:
                     f"{self._paths.log}, or raise timeout="
                 )
             time.sleep(delay)
+            reader.waiting()
             delay = min(delay * 2, _MAX_POLL_S)
         if self.verify:
             self._check_batch(path, header, arrays, epoch, step)
         if self._feeder is not None:
-            return self._feeder(arrays)
+            return arrays  # the feeder copies to the device on the trainer's thread (its stream)
         if self._torch is None:
             return arrays
         return {name: self._torch.from_numpy(a) for name, a in arrays.items()}
