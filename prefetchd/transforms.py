@@ -36,7 +36,7 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -361,7 +361,9 @@ class ImagePipeline:
                 except ValueError:
                     pixels = None  # CMYK, or damaged: Pillow decides, with the same plan
                 if pixels is not None:
-                    _finish(pixels, v, out)
+                    if v.mirrored:
+                        pixels = fastdecode.flip(pixels)
+                    _finish(pixels, replace(v, mirrored=False), out)
                     return
             source = io.BytesIO(data)
         with Image.open(source, formats=ALLOWED_FORMATS) as src:

@@ -27,7 +27,8 @@ from .readahead import ReadAhead
 
 STATE_VERSION = 1
 _LIVENESS_CHECK_S = 0.5  # how often a waiting client checks the daemon and repeats its position
-_MAX_POLL_S = 0.005  # longest sleep between looks for a batch file
+_MIN_POLL_S = 0.0002  # first sleep between looks for a batch file, doubling up to:
+_MAX_POLL_S = 0.005  # the longest
 _SEND_QUEUE = 64  # position reports that may wait for the daemon; only the latest matters
 _CLOSE_LINGER_MS = 200
 _HANDSHAKE_TIMEOUT_S = 10.0  # a CURVE handshake on this node takes milliseconds
@@ -313,7 +314,7 @@ class PrefetchLoader:
         path = self._paths.batch(epoch, step, self.rank)
         start = time.monotonic()
         deadline, next_check = start + self.timeout, start + _LIVENESS_CHECK_S
-        delay, dead_since = 0.0002, None
+        delay, dead_since = _MIN_POLL_S, None
         while True:
             try:
                 header, arrays = batchfile.map_batch(path, unmap_in_background=True)
@@ -341,9 +342,9 @@ class PrefetchLoader:
                     f"arrive within {self.timeout:.0f} s; check `prefetchd status {self._paths.name}` and "
                     f"{self._paths.log}, or raise timeout="
                 )
-            time.sleep(delay)
+            cut_short = reader.nap(delay)
             reader.waiting()
-            delay = min(delay * 2, _MAX_POLL_S)
+            delay = _MIN_POLL_S if cut_short else min(delay * 2, _MAX_POLL_S)
         if self.verify:
             self._check_batch(path, header, arrays, epoch, step)
         if self._feeder is not None:

@@ -33,9 +33,10 @@ class ReadAhead:
     """Reads steps ``first .. n - 1`` of ``epoch`` with ``fetch(epoch, step, self)``, in order;
     the trainer takes them with ``take(step)``. ``report(epoch, step)`` tells the daemon.
 
-    ``fetch`` calls ``waiting(resend)`` between its looks for a file: that raises Stopped when
-    the trainer has left, and reports a position the trainer reached meanwhile (or, with
-    ``resend``, the current one again, for a daemon that may have restarted).
+    ``fetch`` sleeps with ``nap(seconds)`` between its looks for a file and then calls
+    ``waiting(resend)``: that raises Stopped when the trainer has left, and reports a position
+    the trainer reached meanwhile (or, with ``resend``, the current one again, for a daemon
+    that may have restarted).
     """
 
     def __init__(
@@ -55,6 +56,7 @@ class ReadAhead:
         self._slot: tuple[int, object, bool] | None = None  # (step, batch or exception, is_error)
         self._reached = first  # the step the trainer reads: taken last, or about to be
         self._sent = -1
+        self._wanted = threading.Event()  # the trainer waits for the slot: stop napping
         self._thread = threading.Thread(target=self._run, name="prefetchd-readahead", daemon=True)
         self._thread.start()
 
@@ -66,6 +68,8 @@ class ReadAhead:
         with self._cond:
             self._reached = step
             self._cond.notify_all()
+            if self._slot is None:
+                self._wanted.set()
             if not self._cond.wait_for(lambda: self._slot is not None, timeout=limit):
                 raise BatchTimeout(f"the read-ahead thread gave nothing for step {step} within {limit:.0f} s")
             got, value, is_error = self._slot
@@ -80,6 +84,7 @@ class ReadAhead:
     def stop(self) -> None:
         """End the thread and drop what it mapped (the trainer left the epoch, or closed)."""
         self._stopped.set()
+        self._wanted.set()  # out of a nap at once
         with self._cond:
             self._slot = None
             self._cond.notify_all()
@@ -87,6 +92,15 @@ class ReadAhead:
             self._thread.join(_JOIN_S)
 
     # -- the reading thread ------------------------------------------------------------------
+
+    def nap(self, seconds: float) -> bool:
+        """Sleep between looks for a file, cut short when the trainer starts waiting for this
+        batch (its file may well be there: a batch ready when asked must not wait out a nap).
+        True when cut short."""
+        if self._wanted.wait(seconds):
+            self._wanted.clear()
+            return True
+        return False
 
     def waiting(self, resend: bool = False) -> None:
         if self._stopped.is_set():
@@ -105,31 +119,35 @@ class ReadAhead:
         try:
             self._send_position()
             for step in range(self._first, self._n):
+                self._wait_slot_free()  # one batch ahead of the trainer, no more
                 value = self._fetch(self._epoch, step, self)
-                self._hand_over(step, value, False)
-            self._hand_over(None, None, False)  # report the trainer's last steps, then end
+                self._fill(step, value, False)
+            self._wait_slot_free()
+            self._send_position()  # the trainer took the last batch: where it is now
         except Stopped:
             return
         except BaseException as exc:  # noqa: BLE001 - every error belongs to the trainer's thread
             try:
-                self._hand_over(-1, exc, True)
+                self._wait_slot_free()
+                self._fill(-1, exc, True)
             except Stopped:
                 return
 
-    def _hand_over(self, step: int | None, value, is_error: bool) -> None:
-        """Wait for the slot to be free, reporting the trainer's progress meanwhile (outside
-        the lock: the trainer never waits on a send), then fill it; with ``step`` None, wait
-        until the trainer took the last batch. Stopped once the trainer has left."""
+    def _wait_slot_free(self) -> None:
+        """Wait until the trainer took what is in the slot, reporting its progress meanwhile
+        (outside the lock: the trainer never waits on a send). Stopped once it has left."""
         while True:
             if self._stopped.is_set():
                 raise Stopped()
             self._send_position()
             with self._cond:
                 if self._slot is None:
-                    if step is not None:
-                        self._slot = (step, value, is_error)
-                        self._cond.notify_all()
-                    break
+                    return
                 self._cond.wait(0.5)
-        if step is None:
-            self._send_position()  # the trainer took the last batch: where it is now
+
+    def _fill(self, step: int, value, is_error: bool) -> None:
+        with self._cond:
+            if self._stopped.is_set():
+                raise Stopped()  # checked under the lock: stop() empties the slot after it
+            self._slot = (step, value, is_error)
+            self._cond.notify_all()
