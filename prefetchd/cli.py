@@ -62,6 +62,9 @@ def start(
     max_worker_restarts: Annotated[
         Optional[int], typer.Option(help="Worker deaths tolerated per minute before stopping [20]")
     ] = None,
+    worker_nice: Annotated[
+        Optional[int], typer.Option(help="Workers' CPU niceness, 0-19: below the trainer's threads [10]")
+    ] = None,
     on_trainer_exit: Annotated[
         Optional[str], typer.Option(help="A rank's trainer is gone: keep its window (default) or release it")
     ] = None,
@@ -99,6 +102,7 @@ def start(
         max_bad_rate=max_bad_rate,
         worker_timeout=worker_timeout,
         max_worker_restarts=max_worker_restarts,
+        worker_nice=worker_nice,
         on_trainer_exit=on_trainer_exit,
         endpoint=endpoint,
         curve_secret_key=curve_secret_key,

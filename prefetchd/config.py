@@ -17,6 +17,7 @@ on_error = "replace"     # a bad sample: "replace" it (recorded in the batch hea
 max_bad_rate = 0.25      # stop when more of the samples than this are bad
 worker_timeout = 60      # seconds without a heartbeat before a worker is killed and replaced
 max_worker_restarts = 20 # worker deaths tolerated per minute before the daemon stops
+worker_nice = 10         # workers' CPU niceness (0-19): a trainer's threads run first when they wake
 on_trainer_exit = "keep" # a rank's trainer process is gone: "keep" its window (warm restart) or "release" it
 endpoint = "ipc"         # the control socket; or "tcp://127.0.0.1:5555" (loopback unless CURVE is set)
 # curve_secret_key = "server.key_secret"  # CURVE: the server's secret certificate (mode 0600)
@@ -74,6 +75,7 @@ _DAEMON_KEYS = {
     "max_bad_rate": (float, int),
     "worker_timeout": (float, int),
     "max_worker_restarts": int,
+    "worker_nice": int,
     "on_trainer_exit": str,
     "endpoint": str,
     "curve_secret_key": str,
@@ -103,6 +105,7 @@ class Config:
     max_bad_rate: float = 0.25
     worker_timeout: float = 60.0
     max_worker_restarts: int = 20
+    worker_nice: int = 10
     on_trainer_exit: str = "keep"
     endpoint: str = "ipc"
     curve_secret_key: str | None = None
@@ -160,6 +163,7 @@ _DAEMON_RULES = {
     "max_bad_rate": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "worker_timeout": (lambda v: v > 0, "positive"),
     "max_worker_restarts": (lambda v: v >= 0, "0 or more"),
+    "worker_nice": (lambda v: 0 <= v <= 19, "a niceness from 0 (as the trainer) to 19 (lowest priority)"),
     "on_trainer_exit": (lambda v: v in ON_TRAINER_EXIT, f"one of {', '.join(ON_TRAINER_EXIT)}"),
     "endpoint": (
         lambda v: v == "ipc" or _is_tcp_endpoint(v),

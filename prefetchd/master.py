@@ -280,7 +280,10 @@ class Master:
         ctx = multiprocessing.get_context("spawn")
         parent_conn, child_conn = ctx.Pipe()
         process = ctx.Process(
-            target=worker_main, args=(json.dumps(self.spec.to_json()), child_conn), daemon=True, name="prefetchd-worker"
+            target=worker_main,
+            args=(json.dumps(self.spec.to_json()), child_conn, self.config.worker_nice),
+            daemon=True,
+            name="prefetchd-worker",
         )
         process.start()
         child_conn.close()

@@ -46,10 +46,13 @@ def _send_heartbeats(conn) -> None:
             return
 
 
-def worker_main(spec_json: str, conn) -> None:
+def worker_main(spec_json: str, conn, nice: int = 0) -> None:
     # Ctrl-C in a foreground daemon reaches the whole process group; the master alone
     # decides how workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # Below the trainer: when its threads wake (a step ends, a batch is wanted) they get a
+    # core at once instead of queueing behind augmentation for a scheduler tick or two.
+    os.nice(nice)
     parent = os.getppid()
     threading.Thread(target=_send_heartbeats, args=(conn,), daemon=True, name="heartbeat").start()
     try:

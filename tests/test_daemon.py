@@ -367,3 +367,17 @@ def test_the_fast_decoder_is_deterministic_and_hashed_apart_from_pillow(tmp_path
     assert hashes["fast1"] == hashes["fast2"] != hashes["pil"]  # a resume never mixes decoders
     bad = cli("start", str(config), "--decoder", "libjpeg")
     assert bad.returncode == 2 and "--decoder must be one of pillow, simplejpeg" in bad.stderr
+
+
+def test_workers_run_below_the_trainer(tmp_path, jpeg_folder, job_root):
+    """Workers take [daemon] worker_nice (default 10), so a waking trainer thread gets a core first."""
+    from .test_faults import workers_of
+
+    paths = start_job(write_config(tmp_path, jpeg_folder, workers=2))
+    assert [w.nice() for w in workers_of(paths)] == [10, 10]
+    assert psutil.Process(read_manifest(paths)["pid"]).nice() == os.nice(0)  # the master is not lowered
+    assert cli("stop", "job").returncode == 0
+    paths = start_job(write_config(tmp_path, jpeg_folder, name="low", workers=1), "--worker-nice", "19")
+    assert [w.nice() for w in workers_of(paths)] == [19]
+    bad = cli("start", str(write_config(tmp_path, jpeg_folder, name="bad")), "--worker-nice", "25")
+    assert bad.returncode == 2 and "worker_nice" in bad.stderr and "0 (as the trainer) to 19" in bad.stderr
