@@ -81,9 +81,7 @@ def decode_resampled(data: bytes, size: tuple[int, int], box, out_w: int, out_h:
     while shrink < 8 and (x1 - x0) >= 2 * shrink * out_w and (y1 - y0) >= 2 * shrink * out_h:
         shrink *= 2
     # libjpeg-turbo's scaled size is ceil(size / shrink): asking for exactly that picks 1/shrink.
-    img = simplejpeg.decode_jpeg(
-        data, colorspace="RGB", min_width=-(-width // shrink), min_height=-(-height // shrink)
-    )
+    img = simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=-(-width // shrink), min_height=-(-height // shrink))
     sx, sy = img.shape[1] / width, img.shape[0] / height
     left, top = max(0, math.floor(x0 * sx)), max(0, math.floor(y0 * sy))
     right, bottom = min(img.shape[1], math.ceil(x1 * sx)), min(img.shape[0], math.ceil(y1 * sy))

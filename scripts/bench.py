@@ -21,8 +21,8 @@ default collate, num_workers=N, shuffle, no pinning) with persistent_workers Tru
   client cost      map + header parse + tensors for a 256 x 224 x 224 x 3 batch vs np.copyto of it
   daemon cost      CPU of the daemon's master per 1,000 batches, of its workers per image
 
-It prints the table, and writes into --out: bench.json (every raw figure) and
-bench_timeline.png (prefetchd's buffer fill and every system's per-step waits; matplotlib,
+It prints the table, and writes into --out: bench.json (every raw figure), bench.md (the
+table in Markdown) and bench_timeline.png (prefetchd's buffer fill and every system's per-step waits; matplotlib,
 from the `bench` extra). Everything it starts is stopped, and everything it writes outside
 --out is removed, also on Ctrl-C or an error.
 
@@ -46,7 +46,6 @@ import signal
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -429,39 +428,50 @@ def consume(
     return records
 
 
-class BufferSampler(threading.Thread):
+class BufferSampler:
     """Samples the daemon's status (what `prefetchd status --json` prints) for the timeline:
-    bytes held by the buffer and batches ready. In-process, not the CLI: a Python start
-    every 0.1 s would take a good part of a core from the systems being measured."""
+    bytes held by the buffer and batches ready, every 0.1 s. In a forked process of its own:
+    a status request costs a millisecond or two of Python, which in a thread of the trainer's
+    process would hold the GIL just when the trainer wakes, and charge prefetchd for its own
+    measurement. (A Python start per sample, the CLI, would take a good part of a core.)"""
 
     def __init__(self, paths: JobPaths, t0: float, every_s: float = 0.1):
-        super().__init__(daemon=True, name="buffer-sampler")
         self.paths, self.t0, self.every_s = paths, t0, every_s
-        self.samples: list[dict] = []
-        self._halt = threading.Event()
+        ctx = multiprocessing.get_context("fork")  # needs only zmq, which it opens afresh
+        self._conn, child = ctx.Pipe()
+        self._halt = ctx.Event()
+        self._proc = ctx.Process(target=self._run, args=(child,), daemon=True, name="buffer-sampler")
 
-    def run(self) -> None:
+    def start(self) -> None:
+        self._proc.start()
+
+    def _run(self, conn) -> None:
+        samples = []
         while True:
-            self.sample()
-            if self._halt.wait(self.every_s):
-                return
-
-    def sample(self) -> None:
-        status = control.request_job(self.paths, {"op": "status"}, timeout_s=1.0)
-        if status:
-            self.samples.append(
-                {
-                    "t": time.perf_counter() - self.t0,
-                    "used_bytes": status["buffer"]["used_bytes"],
-                    "ready": status["ranks"][0]["ready"],
-                }
-            )
+            halted = self._halt.is_set()  # then one last sample: the end of the run, however short
+            status = control.request_job(self.paths, {"op": "status"}, timeout_s=1.0)
+            if status:
+                samples.append(
+                    {
+                        "t": time.perf_counter() - self.t0,
+                        "used_bytes": status["buffer"]["used_bytes"],
+                        "ready": status["ranks"][0]["ready"],
+                    }
+                )
+            if halted:
+                break
+            self._halt.wait(self.every_s)
+        conn.send_bytes(json.dumps(samples).encode())  # JSON, never pickle
 
     def halt(self) -> list[dict]:
+        """Stop sampling and return the samples."""
         self._halt.set()
-        self.join(5)
-        self.sample()  # the end of the run too, however short it was
-        return self.samples
+        samples = json.loads(self._conn.recv_bytes()) if self._conn.poll(10) else []
+        self._proc.join(5)
+        if self._proc.is_alive():
+            self._proc.kill()
+            self._proc.join(5)
+        return samples
 
 
 # ---------------------------------------------------------------- CPU accounting
@@ -984,6 +994,23 @@ def print_table(console: Console, rows: list[dict], s: Settings) -> None:
     console.print(table)
 
 
+def markdown_table(rows: list[dict], s: Settings, env: dict) -> str:
+    """The table as Markdown, for the README: the same cells as the printed one."""
+    lines = [
+        f"{s.images} generated JPEGs (~{env['dataset']['mean_kb']:.0f} KB, {env['dataset']['pixels']}), "
+        f"{s.workers} worker(s) each, batch {s.batch_size}, median of {s.repeats}; {env['cores']} cores, "
+        f"Python {env['python']}, torch {env['torch']}, Pillow {env['pillow']}.",
+        "",
+        "| measure | prefetchd | DataLoader | ratio | target | holds |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        holds = {True: "yes", False: "**no**", None: ""}[r["holds"]]
+        cells = [r["measure"], r["prefetchd"], r["dataloader"], r["ratio"], r["target"], holds]
+        lines.append("| " + " | ".join(c.replace("|", "/") for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------- the timeline
 
 
@@ -1103,7 +1130,8 @@ def main(argv: list[str] | None = None) -> int:
         results["timeline_png"] = None
         console.print(f"no timeline: {why_not}")
     (out / "bench.json").write_text(json.dumps(results, indent=1))
-    console.print(f"wrote {out / 'bench.json'}" + ("" if why_not else f" and {png}"), highlight=False)
+    (out / "bench.md").write_text(markdown_table(results["rows"], s, results["environment"]))
+    console.print(f"wrote {out / 'bench.json'}, {out / 'bench.md'}" + ("" if why_not else f", {png}"), highlight=False)
     return 0
 
 

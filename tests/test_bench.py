@@ -41,6 +41,7 @@ def test_quick_bench_reports_every_row_and_cleans_up(tmp_path):
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     report = json.loads((out / "bench.json").read_text())
 
+    assert (out / "bench.md").read_text().count("\n| ") == len(report["rows"]) + 1  # header and one per row
     rows = {r["id"]: r for r in report["rows"]}
     assert set(rows) == ROWS
     for r in rows.values():

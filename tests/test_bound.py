@@ -68,9 +68,7 @@ def test_batches_a_client_still_maps_count_against_the_bound(tmp_path, jpeg_fold
     paths = start_job(write_config(tmp_path, jpeg_folder, buffer="128K", size=32), "--retain", "0")
     pids = daemon_family(paths)
     bound = read_manifest(paths)["buffer_bytes"]
-    holder = subprocess.Popen(
-        [sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     peak, done = [0], threading.Event()
 
     def sample():  # as often as it can while the holder reads
@@ -85,8 +83,7 @@ def test_batches_a_client_still_maps_count_against_the_bound(tmp_path, jpeg_fold
         sampler.join(10)
         # Batches freed by the holder as it went are retried a few times a second: settle first.
         buffer = wait_until(
-            lambda: (b := control.request(paths.endpoint, {"op": "status"})["buffer"])["pinned_batches"] == HELD
-            and b,
+            lambda: (b := control.request(paths.endpoint, {"op": "status"})["buffer"])["pinned_batches"] == HELD and b,
             what=f"{HELD} pinned batches",
         )
         assert len(os.listdir(paths.retired_dir)) == HELD
