@@ -234,13 +234,13 @@ def verify(
         raise _fail(exc) from None
     if not result["identical"]:
         err.print(
-            f"[bold red]differs:[/] {result['batch']}: published sha256 {result['published_sha256']}, "
-            f"regenerated {result['regenerated_sha256']}; "
+            f"[bold red]differs:[/] {result['batch']}: published crc32 {result['published_crc32']}, "
+            f"regenerated {result['regenerated_crc32']}; "
             f"fields {', '.join(result['differing_fields']) or '(hash only)'}",
             highlight=False,
         )
         raise typer.Exit(1)
-    out.print(f"identical: {result['batch']} sha256 {result['regenerated_sha256']}", highlight=False)
+    out.print(f"identical: {result['batch']} crc32 {result['regenerated_crc32']}", highlight=False)
 
 
 @app.command()

@@ -437,7 +437,20 @@ class Master:
                 continue
             task = self.scheduler.next_task()
             if task is None:
-                return
+                gave_way = self.scheduler.make_room()
+                if gave_way is None:
+                    return
+                rank, index = gave_way
+                self.delete_batch(rank, index)
+                log.info(
+                    "the buffer was full with a batch missing before ready ones: deleted epoch %d step %d of "
+                    "rank %d, the farthest ahead, to make the missing one first",
+                    *self.plan.unlinear(index),
+                    rank,
+                )
+                task = self.scheduler.next_task()
+                if task is None:
+                    return  # its slot is still mapped by a client: freed within a tick
             if self._retry_after.get(task, 0) > now:
                 return  # the most urgent batch is backing off after a failure
             self._retry_after.pop(task, None)

@@ -1,9 +1,10 @@
-"""Make one batch: read, decode and augment its samples straight into the batch file.
+"""Make one batch: read, decode and augment its samples straight into the batch layout.
 
 Used by the worker processes, and in-process by tools that regenerate a batch. The pixels
-are written once, into the mapped batch file (no stacking, no pickling), and the batch
-becomes visible by a hard link from ``tmp/`` into ``batches/``: atomic like rename, but it
-fails if the name exists, so a batch is published once even when two workers made it.
+are written once into a buffer laid out as the batch file and reused by the worker (no
+stacking, no pickling), then into the file with one pwrite. The batch becomes visible by a
+hard link from ``tmp/`` into ``batches/``: atomic like rename, but it fails if the name
+exists, so a batch is published once even when two workers made it.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from prefetchd_client.batchfile import BatchLayout, BatchWriter, FieldSpec, content_digest
+from prefetchd_client.batchfile import BatchBuffer, BatchLayout, BatchWriter, FieldSpec, content_digest
 from prefetchd_client.layout import JobPaths, batch_name
 
 from .plan import Plan
@@ -91,6 +92,7 @@ class BatchProducer:
             self._user_fn = None
             self._image = ImagePipeline(list(spec.transforms), spec.decoder)
         self.layout = BatchLayout.plan(self.field_specs())
+        self._buffer: BatchBuffer | None = None  # made on the first produce(): verify never needs it
 
     def field_specs(self) -> list[FieldSpec]:
         b = self.plan.batch_size
@@ -171,7 +173,7 @@ class BatchProducer:
     def meta(self, arrays: dict[str, np.ndarray], report: FillReport) -> dict:
         return {
             "config_hash": self.spec.config_hash,
-            "sha256": content_digest(arrays, self.layout.fields),
+            "crc32": content_digest(arrays, self.layout.fields),
             "sources": dict(zip(self.spec.source_names, report.per_source)),
             "replaced": report.replaced,
         }
@@ -188,7 +190,9 @@ class BatchProducer:
         """
         name = batch_name(epoch, step, rank)
         tmp = self.paths.tmp_dir / f"{name}.{os.getpid()}"
-        writer = BatchWriter(tmp, self.layout)
+        if self._buffer is None:
+            self._buffer = BatchBuffer(self.layout)
+        writer = BatchWriter(tmp, self.layout, self._buffer)
         try:
             report = self.fill(writer.arrays, epoch, step, rank)
             writer.finish(epoch, step, rank, self.meta(writer.arrays, report))

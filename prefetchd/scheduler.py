@@ -13,6 +13,8 @@ checkpoint a few steps back finds them warm) and ``window`` batches lie ahead. A
   maps: the byte bound is never exceeded, not even during a seek.
 - Delete: every ready batch outside that range: consumed more than ``retain`` batches ago
   or, after a backward seek, too far ahead. A paused rank's range stays as it is.
+- Make room: when the buffer is full but the batch a rank reads next is missing while
+  later ones are ready, the ready batch farthest ahead is deleted so it can be made.
 """
 
 from __future__ import annotations
@@ -61,9 +63,13 @@ class Scheduler:
         state.ready.difference_update(doomed)
         return doomed
 
+    @property
+    def full(self) -> bool:
+        return self.held + self.reserved >= self.capacity
+
     def next_task(self) -> tuple[int, int] | None:
         """(rank, index) of the most urgent missing batch, or None when full or all windows are full."""
-        if self.held + self.reserved >= self.capacity:
+        if self.full:
             return None
         best = None
         for rank, state in enumerate(self.ranks):
@@ -76,6 +82,37 @@ class Scheduler:
                         best = (distance, rank, index)
                     break
         return None if best is None else (best[1], best[2])
+
+    def make_room(self) -> tuple[int, int] | None:
+        """(rank, index) of a ready batch to delete, now, so that the batch a trainer waits for
+        can be made; None when nothing needs to give way.
+
+        The buffer can be full while a rank's next batch is missing and later ones are ready:
+        a restarted daemon adopted the batches past one that was being written when the last
+        one was killed, and a batch the trainer still maps takes the slot the gap needed.
+        Waiting would never end (the trainer holds its last batch while it waits for the
+        next), so the ready batch farthest ahead of its rank gives its slot back; it is made
+        again later. A gap further ahead needs nothing: the trainer reaches it by consuming,
+        which frees slots. Checking only the next batch keeps this O(ranks) on a full buffer.
+        """
+        if not self.full or all(
+            state.parked or state.position in state.ready or state.position in state.in_flight for state in self.ranks
+        ):
+            return None
+        farthest = max(
+            (
+                (index - state.position, rank, index)
+                for rank, state in enumerate(self.ranks)
+                if not state.parked
+                for index in state.ready
+            ),
+            default=None,
+        )
+        if farthest is None or farthest[0] <= 0:  # only retained batches, behind the positions
+            return None
+        _, rank, index = farthest
+        self.ranks[rank].ready.discard(index)
+        return rank, index
 
     def task_started(self, rank: int, index: int) -> None:
         self.ranks[rank].in_flight.add(index)

@@ -1,6 +1,6 @@
 """``prefetchd verify``: remake one batch in this process and compare it with the published one.
 
-Determinism made checkable: the batch's content digest (``meta.sha256``) and its bytes
+Determinism made checkable: the batch's content digest (``meta.crc32``) and its bytes
 must equal what the plan yields here, whatever worker made it and however often.
 """
 
@@ -40,8 +40,8 @@ def verify_batch(paths: JobPaths, epoch: int, step: int, rank: int) -> dict:
     differing = sorted(k for k in regenerated if not np.array_equal(regenerated[k], published.get(k)))
     return {
         "batch": path.name,
-        "published_sha256": header["meta"].get("sha256"),
-        "regenerated_sha256": meta["sha256"],
+        "published_crc32": header["meta"].get("crc32"),
+        "regenerated_crc32": meta["crc32"],
         "differing_fields": differing,
-        "identical": not differing and header["meta"].get("sha256") == meta["sha256"],
+        "identical": not differing and header["meta"].get("crc32") == meta["crc32"],
     }

@@ -14,7 +14,7 @@ from prefetchd.datagen import make_image_folder
 from prefetchd_client import DaemonDied, PrefetchLoader
 from prefetchd_client.batchfile import map_batch
 
-from .conftest import cli, start_job, write_config
+from .conftest import cli, start_job, wait_until, write_config
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -86,9 +86,10 @@ def test_on_error_fail_stops_naming_the_file(tmp_path, job_root):
     victim.write_bytes(b"garbage")
     cfg = write_config(tmp_path, data, batch_size=16, size=16)
     paths = start_job(cfg, "--on-error", "fail")
-    loader = PrefetchLoader("job", as_tensors=False, timeout=30)
+    # A trainer that connects after the daemon stopped is told why, as one that waited is.
+    wait_until(lambda: "ERROR stopped" in paths.log.read_text(), timeout_s=30, what="daemon stopped")
     with pytest.raises(DaemonDied, match=f"cannot read a sample: sample \\d+ \\({victim}\\)"):
-        next(iter(loader))
+        next(iter(PrefetchLoader("job", as_tensors=False, timeout=30)))
     # The tmpfs is freed; the log that says why stays until `prefetchd stop` clears it.
     assert sorted(p.name for p in paths.dir.iterdir()) == ["daemon.lock", "daemon.log"]
     assert str(victim) in paths.log.read_text()
@@ -101,9 +102,9 @@ def test_a_dataset_that_is_mostly_broken_stops_the_daemon(tmp_path, job_root):
         p.write_bytes(b"")
     cfg = write_config(tmp_path, data, batch_size=64, size=16)
     start_job(cfg)
-    loader = PrefetchLoader("job", as_tensors=False, timeout=30)
+    # Whether the trainer connects before the daemon stops or after, it is told why.
     with pytest.raises(DaemonDied, match="unreadable (samples in a row|and so were 10 replacements)"):
-        next(iter(loader))
+        next(iter(PrefetchLoader("job", as_tensors=False, timeout=30)))
 
 
 def test_decompression_bombs_are_bad_samples(tmp_path, job_root):

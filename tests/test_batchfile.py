@@ -10,10 +10,12 @@ from hypothesis import strategies as st
 
 from prefetchd_client.batchfile import (
     PREAMBLE,
+    BatchBuffer,
     BatchFormatError,
     BatchLayout,
     BatchWriter,
     FieldSpec,
+    content_digest,
     map_batch,
     parse_header,
 )
@@ -49,6 +51,36 @@ def test_writer_refuses_to_overwrite(tmp_path):
     write(tmp_path / "b")
     with pytest.raises(FileExistsError):
         BatchWriter(tmp_path / "b", BatchLayout.plan(FIELDS))
+
+
+def test_a_reused_buffer_carries_nothing_of_the_last_batch_into_the_next(tmp_path):
+    """A worker fills one BatchBuffer for every batch: a shorter header must not leave the
+    tail of a longer one behind, and each file holds exactly its own batch."""
+    layout = BatchLayout.plan(FIELDS)
+    buffer = BatchBuffer(layout)
+    first = BatchWriter(tmp_path / "a", layout, buffer)
+    first.arrays["image"][:] = 200
+    first.finish(0, 0, 0, {"note": "x" * 500})
+    second = BatchWriter(tmp_path / "b", layout, buffer)
+    second.arrays["image"][:] = 9
+    second.finish(0, 1, 0, {})
+    data = (tmp_path / "b").read_bytes()
+    _, _, hlen = PREAMBLE.unpack_from(data)
+    assert set(data[16 + hlen : layout.data_start]) == {0}
+    header, arrays = map_batch(tmp_path / "b")
+    assert header["step"] == 1 and header["meta"] == {} and set(arrays["image"].reshape(-1).tolist()) == {9}
+    assert set(map_batch(tmp_path / "a")[1]["image"].reshape(-1).tolist()) == {200}
+    with pytest.raises(ValueError, match="another layout"):
+        BatchWriter(tmp_path / "c", BatchLayout.plan(FIELDS[:1]), buffer)
+    assert not (tmp_path / "c").exists()
+
+
+def test_the_content_digest_sees_one_flipped_bit(tmp_path):
+    header, arrays = map_batch(write(tmp_path / "b"))
+    before = content_digest(arrays, header["fields"])
+    arrays["image"][1, 2, 3, 0] ^= 1  # the private map: the file is untouched
+    assert content_digest(arrays, header["fields"]) != before
+    assert content_digest(map_batch(tmp_path / "b")[1], header["fields"]) == before
 
 
 def rewrite_header(path, mutate):

@@ -369,6 +369,29 @@ def test_the_fast_decoder_is_deterministic_and_hashed_apart_from_pillow(tmp_path
     assert bad.returncode == 2 and "--decoder must be one of pillow, simplejpeg" in bad.stderr
 
 
+def test_verify_mode_refuses_a_batch_whose_bytes_were_changed(tmp_path, jpeg_folder, job_root):
+    """The client's test mode recomputes the CRC-32 the worker recorded: one flipped bit in a
+    published batch is a BatchFormatError naming the file, not a silently wrong step."""
+    from prefetchd_client import BatchFormatError
+    from prefetchd_client.batchfile import map_batch
+
+    paths = start_job(write_config(tmp_path, jpeg_folder))
+    first = paths.batch(0, 0, 0)
+    wait_until(first.exists, what="first batch published")
+    offset = map_batch(first, pin=False)[0]["fields"][0]["offset"]
+    fd = os.open(first, os.O_RDWR)
+    try:
+        byte = os.pread(fd, 1, offset + 5)
+        os.pwrite(fd, bytes([byte[0] ^ 1]), offset + 5)
+    finally:
+        os.close(fd)
+    loader = PrefetchLoader("job", as_tensors=False, verify=True)
+    with pytest.raises(BatchFormatError, match=f"{first.name}.*CRC-32"):
+        next(iter(loader))
+    loader.close()
+    assert cli("stop", "job").returncode == 0
+
+
 def test_workers_run_below_the_trainer(tmp_path, jpeg_folder, job_root):
     """Workers take [daemon] worker_nice (default 10), so a waking trainer thread gets a core first."""
     from .test_faults import workers_of

@@ -100,3 +100,31 @@ def test_a_parked_rank_gets_nothing_until_it_reports_again():
     assert drain(s) == [(1, 2)]
     s.move_position(0, 0)  # its trainer is back
     assert drain(s) == [(0, 0), (0, 1)]
+
+
+def test_a_gap_before_ready_batches_in_a_full_buffer_takes_the_farthest_slot():
+    """The deadlock a daemon kill -9 found: the restarted daemon adopted batches 41.. (40 was
+    being written when its predecessor died), the trainer still maps 39 and waits for 40."""
+    s = Scheduler(world_size=1, capacity=6)
+    for index in (41, 42, 43, 44, 45):
+        assert s.adopt(0, index)
+    s.start_at_adopted()
+    s.reserved = 1  # batch 39, retired but mapped
+    assert s.move_position(0, 40) == []  # 41..45 lie in the window [40, 46)
+    assert s.next_task() is None  # full: without make_room, 40 would never be made
+    assert s.make_room() == (0, 45)
+    assert s.next_task() == (0, 40)
+    assert s.make_room() is None  # no longer full
+
+
+def test_make_room_only_gives_a_slot_to_a_batch_nearer_than_the_one_it_takes():
+    s = Scheduler(world_size=2, capacity=4)
+    drain(s)  # each rank holds 0 and 1
+    s.move_position(0, 1)  # rank 0 consumed 0 and misses 2, at distance 1
+    s.reserved = 1
+    # The farthest ready batch (rank 1's batch 1) is at distance 1 too: nothing gives way.
+    assert s.next_task() is None and s.make_room() is None
+    s.ranks[1].ready.discard(0)  # now rank 1 misses its next batch, at distance 0
+    s.reserved = 2
+    assert s.make_room() == (1, 1)
+    assert s.next_task() == (1, 0)

@@ -10,7 +10,8 @@ class JobNotRunning(PrefetchError):
 
 
 class DaemonDied(PrefetchError):
-    """The daemon stopped while the client was waiting for a batch."""
+    """The daemon stopped on an error (named in the message), or died, before or while the
+    client waited for a batch."""
 
 
 class BatchTimeout(PrefetchError, TimeoutError):

@@ -88,7 +88,7 @@ class PrefetchLoader:
     ``timeout``: seconds to wait for one batch. ``restart_grace``: seconds a waiting loader
     gives a dead daemon to be restarted before it raises DaemonDied. ``verify`` (default:
     ``$PREFETCHD_VERIFY=1``): check every batch before yielding it (its name, this job's
-    config hash, the SHA-256 of its bytes) and raise BatchFormatError on any difference; a
+    config hash, the CRC-32 of its bytes) and raise BatchFormatError on any difference; a
     test mode, it reads every byte once.
 
     Batches are dicts of torch tensors (numpy arrays when torch is absent) mapped from the
@@ -170,8 +170,18 @@ class PrefetchLoader:
         try:
             manifest = read_manifest(self._paths)
         except FileNotFoundError:
-            raise JobNotRunning(f"no prefetchd job {job!r} is running under {root}: {hint}") from None
-        if not daemon_alive(self._paths):
+            manifest = None
+        if manifest is None or not daemon_alive(self._paths):
+            # A daemon that stopped on its own error (a bad sample under --on-error fail, a
+            # failure budget) may do so before its first trainer connects: say why.
+            reason = _stop_reason(self._paths.log)
+            if reason is not None:
+                raise DaemonDied(
+                    f"the daemon of job {job!r} stopped ({reason}); see {self._paths.log} and restart it "
+                    "with `prefetchd start`"
+                )
+            if manifest is None:
+                raise JobNotRunning(f"no prefetchd job {job!r} is running under {root}: {hint}")
             raise JobNotRunning(f"the daemon of job {job!r} is not running (stale {self._paths.dir}): {hint}")
         return manifest
 
@@ -231,13 +241,19 @@ class PrefetchLoader:
         reader = self._reader = ReadAhead(self._fetch, self._report, epoch, self._step, n, self.timeout)
         try:
             for step in range(self._step, n):
-                batch = reader.take(step)
-                self._step = step + 1
-                yield batch if self._feeder is None else self._feeder(batch)
+                # No local holds the batch across the yield: the trainer's reference is the only
+                # one, so the batch is freed (and its mapping handed to the unmapper thread)
+                # when the trainer drops it, during its step, not inside the next next().
+                yield self._take(reader, step)
         finally:
             reader.stop()
         self._epoch, self._step = epoch + 1, 0
         self._report(epoch + 1, 0)
+
+    def _take(self, reader: ReadAhead, step: int) -> dict:
+        batch = reader.take(step)
+        self._step = step + 1
+        return batch if self._feeder is None else self._feeder(batch)
 
     def state_dict(self) -> dict:
         """Global, tiny, JSON-serialisable position: the same on every rank.
@@ -305,8 +321,8 @@ class PrefetchLoader:
         if found != expected:
             raise BatchFormatError(f"{path}: header says epoch/step/rank/config {found}, expected {expected}")
         digest = batchfile.content_digest(arrays, header["fields"])
-        if digest != header["meta"].get("sha256"):
-            raise BatchFormatError(f"{path}: its bytes do not match the SHA-256 in its header (torn write?)")
+        if digest != header["meta"].get("crc32"):
+            raise BatchFormatError(f"{path}: its bytes do not match the CRC-32 in its header (torn write?)")
 
     def _fetch(self, epoch: int, step: int, reader: ReadAhead) -> dict:
         """Wait for batch (epoch, step) and map it, on the read-ahead thread: between looks,

@@ -120,8 +120,9 @@ class ReadAhead:
             self._send_position()
             for step in range(self._first, self._n):
                 self._wait_slot_free()  # one batch ahead of the trainer, no more
-                value = self._fetch(self._epoch, step, self)
-                self._fill(step, value, False)
+                # Straight into the slot: a local here would keep the batch alive after the
+                # trainer dropped it, until the next fetch.
+                self._fill(step, self._fetch(self._epoch, step, self), False)
             self._wait_slot_free()
             self._send_position()  # the trainer took the last batch: where it is now
         except Stopped:
