@@ -3,6 +3,9 @@ reached, errors raised at their step, and no thread left behind."""
 
 from __future__ import annotations
 
+import fcntl
+import os
+import signal
 import threading
 import time
 import weakref
@@ -12,7 +15,7 @@ import pytest
 from prefetchd_client import DaemonDied, PrefetchLoader
 from prefetchd_client.readahead import ReadAhead
 
-from .conftest import start_job, wait_until, write_config
+from .conftest import daemon_family, start_job, wait_pids_gone, wait_until, write_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -88,4 +91,92 @@ def test_a_batch_the_trainer_drops_is_freed_at_once_not_inside_the_next_step(tmp
         image = weakref.ref(batch["image"])
         del batch
         assert image() is None
+    loader.close()
+
+
+def test_the_next_epochs_first_batch_is_mapped_while_the_trainer_holds_the_last():
+    fetched, reports = [], []
+
+    def fetch(epoch, step, reader):
+        fetched.append((epoch, step))
+        return (epoch, step)
+
+    reader = ReadAhead(fetch, lambda e, s: reports.append((e, s)), 3, 5, 7, timeout_s=5)
+    assert [reader.take(5), reader.take(6)] == [(3, 5), (3, 6)]
+    wait_until(lambda: fetched[-1:] == [(4, 0)], what="epoch 4's first batch mapped ahead")
+    assert reader.hand_over() == (4, 0)
+    assert not readahead_threads()
+    assert {e for e, _ in reports} == {3}  # the daemon hears where the trainer is, not the thread
+    following = ReadAhead(fetch, lambda e, s: None, 4, 0, 7, timeout_s=5, mapped=(4, 0))
+    assert following.take(0) == (4, 0)
+    wait_until(lambda: fetched[-1:] == [(4, 1)], what="the next step mapped ahead")
+    assert fetched.count((4, 0)) == 1  # handed over, not fetched again
+    following.stop()
+    assert not readahead_threads()
+
+
+def test_nothing_is_handed_over_when_the_next_epochs_batch_failed():
+    def fetch(epoch, step, reader):
+        if epoch == 1:
+            raise DaemonDied("gone")
+        return step
+
+    reader = ReadAhead(fetch, lambda e, s: None, 0, 0, 2, timeout_s=5)
+    assert [reader.take(0), reader.take(1)] == [0, 1]
+    wait_until(lambda: reader._slot is not None, what="the failed look-ahead in the slot")
+    assert reader.hand_over() is None  # the next epoch's reader fetches it afresh, errors included
+    assert not readahead_threads()
+
+
+def locked_by_a_reader(path) -> bool:
+    """A client maps a batch under a shared flock: an exclusive try fails while it is mapped."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def test_a_new_epoch_starts_with_its_first_batch_already_mapped(tmp_path, jpeg_folder, job_root):
+    """Proved by taking the file away at the epoch boundary (daemon killed, batch file deleted):
+    the next epoch's first batch, mapped while the trainer held the last one, is still served."""
+    paths = start_job(write_config(tmp_path, jpeg_folder, batch_size=4, buffer="1M"))
+    loader = PrefetchLoader("job", as_tensors=False, timeout=30, restart_grace=1, verify=True)
+    epoch0 = iter(loader)
+    for _ in range(len(loader)):
+        batch = next(epoch0)  # the trainer holds the epoch's last batch in the end
+    first_of_next = paths.batch(1, 0, 0)
+    wait_until(lambda: locked_by_a_reader(first_of_next), what="epoch 1's first batch mapped by the client")
+    del batch
+    with pytest.raises(StopIteration):
+        next(epoch0)
+    family = daemon_family(paths)
+    for pid in family:
+        os.kill(pid, signal.SIGKILL)
+    wait_pids_gone(family)
+    os.unlink(first_of_next)
+    epoch1 = iter(loader)
+    first = next(epoch1)  # verify=True: its header says epoch 1 step 0 of this job, bytes intact
+    assert loader.position == (1, 1) and first["index"].shape == (4,)
+    loader.close()
+    assert not readahead_threads()
+
+
+def test_the_timeout_counts_from_when_the_trainer_asks(tmp_path, jpeg_folder, job_root):
+    """A one-batch window: the next batch is made only once the trainer moves on. A step
+    (an evaluation) longer than ``timeout`` is no time-out: the wait starts when it asks."""
+    start_job(write_config(tmp_path, jpeg_folder, batch_size=4, buffer="20K", extra=""), "--retain", "0")
+    loader = PrefetchLoader("job", as_tensors=False, timeout=1)
+    batches = iter(loader)
+    batch = next(batches)
+    time.sleep(1.5)  # the trainer's long step, not a synchronisation
+    del batch
+    assert next(batches)["index"].shape == (4,)
+    assert loader.position == (0, 2)
     loader.close()

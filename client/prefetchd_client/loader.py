@@ -85,7 +85,7 @@ def _stop_reason(log_path) -> str | None:
 class PrefetchLoader:
     """Iterate the batches of rank ``rank`` of the prefetchd job ``job``.
 
-    ``timeout``: seconds to wait for one batch. ``restart_grace``: seconds a waiting loader
+    ``timeout``: seconds the trainer waits for one batch, from when it asks. ``restart_grace``: seconds a waiting loader
     gives a dead daemon to be restarted before it raises DaemonDied. ``verify`` (default:
     ``$PREFETCHD_VERIFY=1``): check every batch before yielding it (its name, this job's
     config hash, the CRC-32 of its bytes) and raise BatchFormatError on any difference; a
@@ -140,6 +140,7 @@ class PrefetchLoader:
             raise ValueError("normalize= is applied on a device: pass device= too (device='cpu' on a CPU)")
         self._epoch, self._step = 0, 0  # the next batch this rank reads
         self._reader: ReadAhead | None = None  # maps the next batch while the trainer holds this one
+        self._handed_over: tuple[int, object] | None = None  # (epoch, its step 0), mapped ahead
         self._send_lock = threading.Lock()
         server_key = self.manifest.get("curve_public_key")
         curve = transport.client_curve(server_key, curve_client_key, job=job) if server_key else None
@@ -224,6 +225,7 @@ class PrefetchLoader:
         """
         if epoch != self.position[0]:
             self._epoch, self._step = int(epoch), 0
+            self._handed_over = None
 
     @property
     def sampler(self) -> _EpochSampler:
@@ -238,17 +240,32 @@ class PrefetchLoader:
         epoch = self._epoch
         if self._reader is not None:  # an iterator left mid-epoch: only one thread reads
             self._reader.stop()
-        reader = self._reader = ReadAhead(self._fetch, self._report, epoch, self._step, n, self.timeout)
+        mapped = self._take_handed_over(epoch, self._step)
+        reader = self._reader = ReadAhead(self._fetch, self._report, epoch, self._step, n, self.timeout, mapped)
+        del mapped
+        finished = False
         try:
             for step in range(self._step, n):
                 # No local holds the batch across the yield: the trainer's reference is the only
                 # one, so the batch is freed (and its mapping handed to the unmapper thread)
                 # when the trainer drops it, during its step, not inside the next next().
                 yield self._take(reader, step)
+            finished = True
         finally:
-            reader.stop()
+            if finished:
+                self._handed_over = (epoch + 1, reader.hand_over())
+            else:
+                reader.stop()
         self._epoch, self._step = epoch + 1, 0
         self._report(epoch + 1, 0)
+
+    def _take_handed_over(self, epoch: int, step: int):
+        """The next epoch's first batch, mapped by the last epoch's reader, if that is where
+        this iteration starts; dropped (unmapped) otherwise, e.g. after a seek."""
+        handed, self._handed_over = self._handed_over, None
+        if handed is not None and handed[0] == epoch and step == 0:
+            return handed[1]
+        return None
 
     def _take(self, reader: ReadAhead, step: int) -> dict:
         batch = reader.take(step)
@@ -294,11 +311,13 @@ class PrefetchLoader:
         if not all(type(v) is int and v >= 0 for v in (epoch, consumed)):
             raise PlanMismatch(f"state has a bad position: epoch {epoch!r}, samples_consumed {consumed!r}")
         self._epoch, self._step = epoch, consumed // self.manifest["global_batch"]
+        self._handed_over = None  # unmapped now: the daemon may want its slot for the seek
         self._report(self._epoch, self._step)
 
     def close(self) -> None:
         if self._reader is not None:
             self._reader.stop()
+        self._handed_over = None
         self._finalizer()
 
     # -- internals -------------------------------------------------------------------------
@@ -329,7 +348,7 @@ class PrefetchLoader:
         ``reader.waiting()`` reports the trainer's progress and raises Stopped once it left."""
         path = self._paths.batch(epoch, step, self.rank)
         start = time.monotonic()
-        deadline, next_check = start + self.timeout, start + _LIVENESS_CHECK_S
+        next_check = start + _LIVENESS_CHECK_S
         delay, dead_since = _MIN_POLL_S, None
         while True:
             try:
@@ -352,7 +371,7 @@ class PrefetchLoader:
                     )
                 reader.waiting(resend=True)  # a restarted daemon learns where this rank is
                 next_check = now + _LIVENESS_CHECK_S
-            if now >= deadline:
+            if reader.trainer_waited_s() >= self.timeout:  # from when the trainer asked for it
                 raise BatchTimeout(
                     f"batch epoch {epoch} step {step} rank {self.rank} of job {self._paths.name!r} did not "
                     f"arrive within {self.timeout:.0f} s; check `prefetchd status {self._paths.name}` and "

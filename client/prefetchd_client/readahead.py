@@ -12,11 +12,17 @@ over, within one poll, <= 5 ms, when it is waiting for a file). A small window t
 works as without it: the daemon makes batch k + 1 once the trainer has reached it.
 Errors (DaemonDied, BatchTimeout, a bad batch) travel to the trainer's thread and are raised
 there, at the step they belong to.
+
+At the end of an epoch the thread maps the next epoch's first batch too, while the trainer
+holds the last one, and ``hand_over`` gives it to the next epoch's ReadAhead: a new epoch
+starts with its first batch already mapped, not with a new thread opening a file. No thread
+outlives its epoch.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 from .errors import BatchTimeout
@@ -30,8 +36,10 @@ class Stopped(Exception):
 
 
 class ReadAhead:
-    """Reads steps ``first .. n - 1`` of ``epoch`` with ``fetch(epoch, step, self)``, in order;
-    the trainer takes them with ``take(step)``. ``report(epoch, step)`` tells the daemon.
+    """Reads steps ``first .. n - 1`` of ``epoch`` with ``fetch(epoch, step, self)``, in order,
+    then step 0 of ``epoch + 1`` for ``hand_over``; the trainer takes them with ``take(step)``.
+    ``report(epoch, step)`` tells the daemon. ``mapped``: step ``first``, mapped already (what
+    the previous epoch's reader handed over).
 
     ``fetch`` sleeps with ``nap(seconds)`` between its looks for a file and then calls
     ``waiting(resend)``: that raises Stopped when the trainer has left, and reports a position
@@ -47,16 +55,20 @@ class ReadAhead:
         first: int,
         n: int,
         timeout_s: float,
+        mapped: object = None,
     ):
         self._fetch, self._report = fetch, report
         self._epoch, self._first, self._n = epoch, first, n
         self._timeout_s = timeout_s
         self._stopped = threading.Event()
         self._cond = threading.Condition()
-        self._slot: tuple[int, object, bool] | None = None  # (step, batch or exception, is_error)
+        # (step, batch or exception, is_error); step n is the next epoch's step 0
+        self._slot: tuple[int, object, bool] | None = None if mapped is None else (first, mapped, False)
+        self._to_fetch = first if mapped is None else first + 1  # fixed here: the trainer may empty the slot at once
         self._reached = first  # the step the trainer reads: taken last, or about to be
         self._sent = -1
         self._wanted = threading.Event()  # the trainer waits for the slot: stop napping
+        self._asked_at: float | None = None  # when the trainer began to wait for the empty slot
         self._thread = threading.Thread(target=self._run, name="prefetchd-readahead", daemon=True)
         self._thread.start()
 
@@ -70,6 +82,7 @@ class ReadAhead:
             self._cond.notify_all()
             if self._slot is None:
                 self._wanted.set()
+                self._asked_at = time.monotonic()
             if not self._cond.wait_for(lambda: self._slot is not None, timeout=limit):
                 raise BatchTimeout(f"the read-ahead thread gave nothing for step {step} within {limit:.0f} s")
             got, value, is_error = self._slot
@@ -83,13 +96,21 @@ class ReadAhead:
 
     def stop(self) -> None:
         """End the thread and drop what it mapped (the trainer left the epoch, or closed)."""
+        self.hand_over()
+
+    def hand_over(self):
+        """End the thread; return the next epoch's first batch if it is mapped already, else
+        None (still on its way, or it failed: the next reader fetches it afresh)."""
         self._stopped.set()
         self._wanted.set()  # out of a nap at once
         with self._cond:
-            self._slot = None
+            slot, self._slot = self._slot, None
             self._cond.notify_all()
         if self._thread is not threading.current_thread():
             self._thread.join(_JOIN_S)
+        if slot is not None and slot[0] == self._n and not slot[2]:
+            return slot[1]
+        return None
 
     # -- the reading thread ------------------------------------------------------------------
 
@@ -101,6 +122,12 @@ class ReadAhead:
             self._wanted.clear()
             return True
         return False
+
+    def trainer_waited_s(self) -> float:
+        """How long the trainer has been waiting for the batch being fetched; 0 while it has
+        not asked for it yet (it may be in a long evaluation: that is no time-out)."""
+        asked = self._asked_at
+        return 0.0 if asked is None else time.monotonic() - asked
 
     def waiting(self, resend: bool = False) -> None:
         if self._stopped.is_set():
@@ -118,13 +145,15 @@ class ReadAhead:
     def _run(self) -> None:
         try:
             self._send_position()
-            for step in range(self._first, self._n):
+            for step in range(self._to_fetch, self._n):
                 self._wait_slot_free()  # one batch ahead of the trainer, no more
                 # Straight into the slot: a local here would keep the batch alive after the
                 # trainer dropped it, until the next fetch.
                 self._fill(step, self._fetch(self._epoch, step, self), False)
             self._wait_slot_free()
             self._send_position()  # the trainer took the last batch: where it is now
+            # While it holds that one: the next epoch's first batch, for hand_over().
+            self._fill(self._n, self._fetch(self._epoch + 1, 0, self), False)
         except Stopped:
             return
         except BaseException as exc:  # noqa: BLE001 - every error belongs to the trainer's thread
@@ -151,4 +180,5 @@ class ReadAhead:
             if self._stopped.is_set():
                 raise Stopped()  # checked under the lock: stop() empties the slot after it
             self._slot = (step, value, is_error)
+            self._asked_at = None
             self._cond.notify_all()
