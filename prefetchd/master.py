@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from prefetchd_client.batchfile import VERSION as BATCH_FORMAT_VERSION
 from prefetchd_client.batchfile import BatchFormatError, BatchLayout, FieldSpec, map_batch
 from prefetchd_client.layout import JobPaths, parse_batch_name, trainer_state
 
@@ -56,7 +57,6 @@ _RETIRED_CHECK_S = 0.05  # how often consumed batches still mapped by a client a
 _NO_SPACE_MIN_S, _NO_SPACE_MAX_S = 0.1, 2.0  # back-off range while the tmpfs is full
 _BAD_IN_A_ROW = 64  # unreadable samples in a row within a batch: the data, not a sample, is broken
 _BAD_RATE_MIN_SAMPLES = 1000  # judge the bad-sample rate only over this many samples
-_FORMAT_VERSION = 1
 
 
 class DaemonStop(Exception):
@@ -199,9 +199,14 @@ class Master:
             return False
         try:
             header, _ = map_batch(entry.path, pin=False)
+            config_hash = header["meta"].get("config_hash")
         except (OSError, BatchFormatError):
             return False
-        return header["meta"].get("config_hash") == self.config_hash and entry.stat().st_size == self.layout.size
+        return (
+            (header["epoch"], header["step"], header["rank"]) == name
+            and config_hash == self.config_hash
+            and entry.stat().st_size == self.layout.size
+        )
 
     def _set_layout(self, fields: list[FieldSpec]) -> None:
         self.layout = BatchLayout.plan(fields)
@@ -251,7 +256,7 @@ class Master:
     def _write_manifest(self) -> None:
         cfg = self.config
         manifest = {
-            "format_version": _FORMAT_VERSION,
+            "format_version": BATCH_FORMAT_VERSION,
             "job": self.paths.name,
             "config_hash": self.config_hash,
             "config": self.content,

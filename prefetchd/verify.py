@@ -10,7 +10,7 @@ import json
 
 import numpy as np
 
-from prefetchd_client.batchfile import map_batch
+from prefetchd_client.batchfile import BatchFormatError, map_batch
 from prefetchd_client.layout import JobPaths, read_manifest
 
 from .errors import JobError
@@ -31,17 +31,20 @@ def verify_batch(paths: JobPaths, epoch: int, step: int, rank: int) -> dict:
     path = paths.batch(epoch, step, rank)
     try:
         header, published = map_batch(path)
+        published_crc32 = header["meta"].get("crc32")
     except FileNotFoundError:
         raise JobError(
             f"batch epoch {epoch} step {step} rank {rank} is not in the buffer (consumed, or not produced yet); "
             f"`prefetchd status {paths.name}` shows each rank's window"
         ) from None
+    except BatchFormatError as exc:
+        raise JobError(f"{path} is not a valid batch file ({exc}); the daemon never publishes one") from None
     meta, regenerated = BatchProducer(spec).regenerate(epoch, step, rank)
     differing = sorted(k for k in regenerated if not np.array_equal(regenerated[k], published.get(k)))
     return {
         "batch": path.name,
-        "published_crc32": header["meta"].get("crc32"),
+        "published_crc32": published_crc32,
         "regenerated_crc32": meta["crc32"],
         "differing_fields": differing,
-        "identical": not differing and header["meta"].get("crc32") == meta["crc32"],
+        "identical": not differing and published_crc32 == meta["crc32"],
     }

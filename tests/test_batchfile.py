@@ -9,7 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefetchd_client.batchfile import (
+    MAGIC,
     PREAMBLE,
+    VERSION,
     BatchBuffer,
     BatchFormatError,
     BatchLayout,
@@ -25,6 +27,25 @@ FIELDS = [
     FieldSpec("label", "int64", (2,)),
     FieldSpec("index", "int64", (2,)),
 ]
+
+
+def read_parts(data) -> dict:
+    """The header of a batch file as plain values, to be changed and written back."""
+    _, _, tlen, mlen, _, epoch, step, rank = PREAMBLE.unpack_from(data)
+    table = json.loads(data[PREAMBLE.size : PREAMBLE.size + tlen])
+    meta = json.loads(data[PREAMBLE.size + tlen : PREAMBLE.size + tlen + mlen])
+    return {"epoch": epoch, "step": step, "rank": rank, "fields": table, "meta": meta}
+
+
+def pack_parts(data: bytearray, header: dict) -> int:
+    """Write ``header`` into ``data`` (grown if it must be); returns where the header ends."""
+    table, meta = json.dumps(header["fields"]).encode(), json.dumps(header["meta"]).encode()
+    position = (header["epoch"], header["step"], header["rank"])
+    head = PREAMBLE.pack(MAGIC, VERSION, len(table), len(meta), 0, *position) + table + meta
+    if len(head) > len(data):
+        data.extend(b"\0" * (len(head) - len(data)))
+    data[: len(head)] = head
+    return len(head)
 
 
 def write(path, meta=None):
@@ -65,8 +86,8 @@ def test_a_reused_buffer_carries_nothing_of_the_last_batch_into_the_next(tmp_pat
     second.arrays["image"][:] = 9
     second.finish(0, 1, 0, {})
     data = (tmp_path / "b").read_bytes()
-    _, _, hlen = PREAMBLE.unpack_from(data)
-    assert set(data[16 + hlen : layout.data_start]) == {0}
+    _, _, tlen, mlen, *_ = PREAMBLE.unpack_from(data)
+    assert set(data[PREAMBLE.size + tlen + mlen : layout.data_start]) == {0}
     header, arrays = map_batch(tmp_path / "b")
     assert header["step"] == 1 and header["meta"] == {} and set(arrays["image"].reshape(-1).tolist()) == {9}
     assert set(map_batch(tmp_path / "a")[1]["image"].reshape(-1).tolist()) == {200}
@@ -85,12 +106,9 @@ def test_the_content_digest_sees_one_flipped_bit(tmp_path):
 
 def rewrite_header(path, mutate):
     data = bytearray(path.read_bytes())
-    _, _, hlen = PREAMBLE.unpack_from(data)
-    header = json.loads(data[16 : 16 + hlen])
+    header = read_parts(data)
     mutate(header)
-    new = json.dumps(header).encode()
-    data[8:16] = struct.pack("<II", 1, len(new))
-    data[16 : 16 + len(new)] = new
+    pack_parts(data, header)
     path.write_bytes(bytes(data))
 
 
@@ -104,7 +122,7 @@ def rewrite_header(path, mutate):
         (lambda h: h["fields"][0].update(offset=8), "misaligned or inside the header"),
         (lambda h: h["fields"][2].update(name="image"), "repeated name"),
         (lambda h: h.update(fields=[]), "1 to 64"),
-        (lambda h: h.update(epoch=-3), "epoch must be a non-negative integer"),
+        (lambda h: h.update(epoch=2**63), "out of range"),
     ],
 )
 def test_parser_rejects_bad_headers(tmp_path, mutate, message):
@@ -120,8 +138,11 @@ def test_parser_rejects_bad_preambles(tmp_path):
     for bad, message in [
         (b"", "shorter"),
         (b"NOTABATCH" + good[9:], "bad magic"),
-        (good[:8] + struct.pack("<II", 2, 10) + good[16:], "version 2"),
-        (good[:12] + struct.pack("<I", 10**9) + good[16:], "header length"),
+        (good[:8] + struct.pack("<I", 1) + good[12:], "version 1"),
+        (good[:12] + struct.pack("<I", 10**9) + good[16:], "length out of range"),
+        (good[:16] + struct.pack("<I", 1) + good[20:], "length out of range"),
+        (good[:20] + struct.pack("<I", 7) + good[24:], "length out of range"),  # the reserved word
+        (good[:12] + struct.pack("<I", len(good)) + good[16:], "runs past the end"),
     ]:
         path.write_bytes(bad)
         with pytest.raises(BatchFormatError, match=message):
@@ -169,12 +190,13 @@ def test_hostile_header_values_raise_only_the_documented_error(tmp_path_factory,
     path = write(tmp_path_factory.mktemp("fuzz") / "b")
     data_bytes = bytearray(path.read_bytes())
     parse_header(bytes(data_bytes), len(data_bytes))  # the good table is the parser's memo now
-    _, _, hlen = PREAMBLE.unpack_from(data_bytes)
-    header = json.loads(data_bytes[16 : 16 + hlen])
+    header = read_parts(data_bytes)
     for _ in range(data.draw(st.integers(1, 4))):
-        target = data.draw(st.sampled_from(["top", "field", "overlap", "fields"]))
+        target = data.draw(st.sampled_from(["top", "position", "field", "overlap", "fields"]))
         if target == "top":
-            header[data.draw(st.sampled_from(["epoch", "step", "rank", "fields", "meta"]))] = data.draw(ANY_VALUE)
+            header[data.draw(st.sampled_from(["fields", "meta"]))] = data.draw(ANY_VALUE)
+        elif target == "position":  # binary u64 in the preamble
+            header[data.draw(st.sampled_from(["epoch", "step", "rank"]))] = data.draw(st.integers(0, 2**64 - 1))
         elif target == "field" and isinstance(header.get("fields"), list) and header["fields"]:
             f = header["fields"][data.draw(st.integers(0, len(header["fields"]) - 1))]
             if isinstance(f, dict):
@@ -185,18 +207,16 @@ def test_hostile_header_values_raise_only_the_documented_error(tmp_path_factory,
                 b["offset"] = a["offset"] + data.draw(st.integers(-128, 128))
         elif target == "fields":
             header["fields"] = data.draw(st.lists(st.builds(lambda: dict(VALID_FIELD)), max_size=70))
-    new = json.dumps(header).encode()
-    if 16 + len(new) > len(data_bytes):
-        data_bytes.extend(b"\0" * (16 + len(new) - len(data_bytes)))
-    data_bytes[8:16] = struct.pack("<II", 1, len(new))
-    data_bytes[16 : 16 + len(new)] = new
+    header_end = pack_parts(data_bytes, header)
     try:
         parsed = parse_header(bytes(data_bytes), len(data_bytes))
+        assert type(parsed["meta"]) is dict  # read lazily: its errors are the documented one too
     except BatchFormatError:
         return
+    assert max(parsed["epoch"], parsed["step"], parsed["rank"]) < 2**63
     extents = sorted((f["offset"], f["offset"] + f["nbytes"]) for f in parsed["fields"])
     for (start, end), nxt in zip(extents, extents[1:] + [(len(data_bytes), None)]):
-        assert 16 + len(new) <= start <= end <= nxt[0] <= len(data_bytes)
+        assert header_end <= start <= end <= nxt[0] <= len(data_bytes)
 
 
 @pytest.mark.parametrize(
@@ -215,12 +235,9 @@ def test_a_table_equal_to_the_last_good_one_is_still_checked_strictly(tmp_path, 
     map_batch(good)
     bad = write(tmp_path / "bad")
     data = bytearray(bad.read_bytes())
-    _, _, hlen = PREAMBLE.unpack_from(data)
-    header = json.loads(data[16 : 16 + hlen])
+    header = read_parts(data)
     mutate(header)
-    new = json.dumps(header).encode()
-    data[8:16] = struct.pack("<II", 1, len(new))
-    data[16 : 16 + len(new)] = new
+    pack_parts(data, header)
     with pytest.raises(BatchFormatError, match=message):
         parse_header(bytes(data), len(data))
 
@@ -230,3 +247,27 @@ def test_a_file_shorter_than_the_last_good_table_is_refused(tmp_path):
     data = (tmp_path / "good").read_bytes()
     with pytest.raises(BatchFormatError, match="runs past the end"):
         parse_header(data[:-4096], len(data) - 4096)
+
+
+def test_meta_is_read_when_asked_and_a_bad_one_raises_the_documented_error(tmp_path):
+    path = write(tmp_path / "b", {"config_hash": "abc"})
+    data = bytearray(path.read_bytes())
+    _, _, tlen, mlen, *_ = PREAMBLE.unpack_from(data)
+    data[PREAMBLE.size + tlen : PREAMBLE.size + tlen + mlen] = b"[" + b" " * (mlen - 1)  # not an object
+    header = parse_header(bytes(data), len(data))  # the training path never reads meta
+    assert header["step"] == 2 and [f["name"] for f in header["fields"]] == ["image", "label", "index"]
+    with pytest.raises(BatchFormatError, match="meta is not UTF-8 JSON"):
+        header["meta"]
+    with pytest.raises(KeyError):
+        header["nothing"]
+
+
+def test_the_table_is_the_same_bytes_in_every_batch_and_checked_once(tmp_path):
+    """The reader's fast path: a table byte-equal to the last one checked is not parsed again,
+    and still refused when this file is too short for it."""
+    first, second = write(tmp_path / "a"), write(tmp_path / "b", {"config_hash": "other"})
+    a, b = first.read_bytes(), second.read_bytes()
+    tlen = PREAMBLE.unpack_from(a)[2]
+    assert a[PREAMBLE.size : PREAMBLE.size + tlen] == b[PREAMBLE.size : PREAMBLE.size + tlen]
+    fields = map_batch(first)[0]["fields"]
+    assert map_batch(second)[0]["fields"] is fields  # the memo's checked list, shared
