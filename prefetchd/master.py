@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from prefetchd_client.batchfile import VERSION as BATCH_FORMAT_VERSION
-from prefetchd_client.batchfile import BatchFormatError, BatchLayout, FieldSpec, map_batch
+from prefetchd_client.batchfile import BatchFormatError, FieldSpec, map_batch
 from prefetchd_client.layout import JobPaths, parse_batch_name, trainer_state
 
 from . import control
@@ -27,7 +27,7 @@ from .config import Config, content_hash
 from .errors import ConfigError, DataError, JobError
 from .jobdir import JobDir
 from .plan import Plan
-from .producer import PRODUCER_SPEC, ProducerSpec, builtin_fields
+from .producer import PRODUCER_SPEC, ProducerSpec, builtin_fields, plan_layout
 from .progress_watch import ProgressWatcher
 from .retire import RetiredBatches
 from .scheduler import Scheduler
@@ -209,7 +209,7 @@ class Master:
         )
 
     def _set_layout(self, fields: list[FieldSpec]) -> None:
-        self.layout = BatchLayout.plan(fields)
+        self.layout = plan_layout(fields, self.source_names)
         cfg, size = self.config, self.layout.size
         capacity = cfg.buffer_bytes // size
         needed = cfg.world_size * (cfg.retain + 1)

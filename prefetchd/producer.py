@@ -10,6 +10,7 @@ exists, so a batch is published once even when two workers made it.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import warnings
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from prefetchd_client.batchfile import BatchBuffer, BatchLayout, BatchWriter, FieldSpec, content_digest
+from prefetchd_client.batchfile import PREAMBLE, BatchBuffer, BatchLayout, BatchWriter, FieldSpec, content_digest
 from prefetchd_client.layout import JobPaths, batch_name
 
 from .plan import Plan
@@ -34,6 +35,12 @@ class SampleError(Exception):
 
 _REPLACEMENT_ATTEMPTS = 10
 _ERROR_CHARS = 200
+# The header area of a batch file holds the field table and the meta object. It is sized so
+# that every sample of a batch can be recorded as replaced in the short form below (at most
+# 80 bytes of JSON); the full form (path, error) is kept while it fits, and always logged.
+_META_FIXED_BYTES = 256  # config hash, digest, the keys, "replaced_details"
+_REPLACED_BYTES_PER_SAMPLE = 96
+_SHORT_REPLACED_KEYS = ("slot", "index", "replacement")
 
 
 @dataclass
@@ -72,6 +79,15 @@ def _id_fields(batch_size: int) -> list[FieldSpec]:
     return [FieldSpec("label", "int64", (batch_size,)), FieldSpec("index", "int64", (batch_size,))]
 
 
+def plan_layout(fields: list[FieldSpec], source_names: list[str]) -> BatchLayout:
+    """The batch layout of a job: the same in the master and in every worker."""
+    batch = fields[0].shape[0] if fields[0].shape else 1
+    table = len(BatchLayout.plan(fields).table_bytes) + 64  # offsets may gain a digit or two
+    sources = sum(len(json.dumps(name)) + 24 for name in source_names)
+    meta = _META_FIXED_BYTES + sources + batch * _REPLACED_BYTES_PER_SAMPLE
+    return BatchLayout.plan(fields, header_area=PREAMBLE.size + table + meta)
+
+
 def load_callable(ref: str):
     module, _, name = ref.partition(":")
     return getattr(importlib.import_module(module), name)
@@ -91,7 +107,7 @@ class BatchProducer:
         else:
             self._user_fn = None
             self._image = ImagePipeline(list(spec.transforms), spec.decoder)
-        self.layout = BatchLayout.plan(self.field_specs())
+        self.layout = plan_layout(self.field_specs(), spec.source_names)
         self._buffer: BatchBuffer | None = None  # made on the first produce(): verify never needs it
 
     def field_specs(self) -> list[FieldSpec]:
@@ -171,12 +187,18 @@ class BatchProducer:
         )
 
     def meta(self, arrays: dict[str, np.ndarray], report: FillReport) -> dict:
-        return {
+        meta = {
             "config_hash": self.spec.config_hash,
             "crc32": content_digest(arrays, self.layout.fields),
             "sources": dict(zip(self.spec.source_names, report.per_source)),
             "replaced": report.replaced,
         }
+        if report.replaced and not self.layout.meta_fits(meta):
+            # Many bad samples with long paths: the short form always fits (plan_layout);
+            # the paths and errors are in the daemon's log, line by line.
+            meta["replaced"] = [{k: r[k] for k in _SHORT_REPLACED_KEYS} for r in report.replaced]
+            meta["replaced_details"] = "daemon.log"
+        return meta
 
     def regenerate(self, epoch: int, step: int, rank: int) -> tuple[dict, dict[str, np.ndarray]]:
         """Make a batch in memory, as a worker would: (meta, arrays)."""

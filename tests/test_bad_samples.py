@@ -120,3 +120,36 @@ def test_decompression_bombs_are_bad_samples(tmp_path, job_root):
     assert "DecompressionBomb" in meta["replaced"][0]["error"]
     loader.close()
     assert json.dumps(meta)  # the header stays small JSON
+
+
+def test_many_bad_samples_with_long_paths_fit_the_header(tmp_path, job_root):
+    """11 of 48 files spoilt, paths of ~500 characters, 2 batches of 24: one batch holds 6 or
+    more, whose full records (path, error) outgrow the header area. The batch keeps its size
+    and records every replacement in the short form; the paths are in the daemon's log."""
+    data = make_image_folder(tmp_path / ("d" * 200) / "train", classes=2, per_class=24, size=(24, 48), seed=3)
+    for p in sorted(data.rglob("*.jpg")):
+        p.rename(p.with_name("x" * 200 + p.name))
+    files = sorted(data.rglob("*.jpg"))
+    (tmp_path / "train.txt").write_text("".join(f"{p},{i % 2}\n" for i, p in enumerate(files)))
+    bad = spoil(data, np.random.default_rng(2), 11 / 48)
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(
+        '[job]\nname = "job"\nbatch_size = 24\n[daemon]\nbuffer = "8M"\n'
+        '[[source]]\nkind = "file_list"\npath = "train.txt"\n[[transform]]\nop = "random_resized_crop"\nsize = 16\n'
+    )
+    paths = start_job(cfg)
+    loader = PrefetchLoader("job", as_tensors=False, timeout=60)
+    metas = []
+    for epoch in range(2):
+        for step, batch in enumerate(loader):
+            assert len(batch["index"]) == 24
+            metas.append(map_batch(paths.batch(epoch, step, 0))[0]["meta"])
+    log = paths.log.read_text()
+    loader.close()
+    assert len(metas) == 4
+    short = [m for m in metas if m.get("replaced_details") == "daemon.log"]
+    assert short and all(set(r) == {"slot", "index", "replacement"} for m in short for r in m["replaced"])
+    for epoch in range(2):  # every bad file replaced in each epoch, and only those
+        replaced = {str(files[r["index"]]) for m in metas[2 * epoch : 2 * epoch + 2] for r in m["replaced"]}
+        assert replaced == bad
+    assert all(path in log for path in bad)

@@ -123,14 +123,22 @@ class BatchLayout:
         fields = [dict(f.to_json(), offset=o) for f, o in zip(self.fields, self.offsets)]
         return json.dumps(fields, separators=(",", ":")).encode()
 
+    def meta_fits(self, meta: dict) -> bool:
+        """Whether ``meta`` fits the header area beside the preamble and the field table."""
+        return PREAMBLE.size + len(self.table_bytes) + len(_meta_bytes(meta)) <= self.data_start
+
     def header_bytes(self, epoch: int, step: int, rank: int, meta: dict | None = None) -> bytes:
         """Preamble, field table and meta: everything before the first field."""
         table = self.table_bytes
-        data = json.dumps(meta or {}, separators=(",", ":")).encode()
+        data = _meta_bytes(meta or {})
         size = PREAMBLE.size + len(table) + len(data)
         if size > self.data_start:
             raise ValueError(f"batch header of {size} bytes does not fit the {self.data_start}-byte header area")
         return PREAMBLE.pack(MAGIC, VERSION, len(table), len(data), 0, epoch, step, rank) + table + data
+
+
+def _meta_bytes(meta: dict) -> bytes:
+    return json.dumps(meta, separators=(",", ":")).encode()
 
 
 class BatchBuffer:
