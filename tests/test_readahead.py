@@ -4,6 +4,7 @@ reached, errors raised at their step, and no thread left behind."""
 from __future__ import annotations
 
 import fcntl
+import gc
 import os
 import signal
 import threading
@@ -94,7 +95,7 @@ def test_a_batch_the_trainer_drops_is_freed_at_once_not_inside_the_next_step(tmp
     loader.close()
 
 
-def test_the_next_epochs_first_batch_is_mapped_while_the_trainer_holds_the_last():
+def test_the_next_epochs_reader_starts_while_the_trainer_holds_the_last_batch():
     fetched, reports = [], []
 
     def fetch(epoch, step, reader):
@@ -103,14 +104,16 @@ def test_the_next_epochs_first_batch_is_mapped_while_the_trainer_holds_the_last(
 
     reader = ReadAhead(fetch, lambda e, s: reports.append((e, s)), 3, 5, 7, timeout_s=5)
     assert [reader.take(5), reader.take(6)] == [(3, 5), (3, 6)]
-    wait_until(lambda: fetched[-1:] == [(4, 0)], what="epoch 4's first batch mapped ahead")
-    assert reader.hand_over() == (4, 0)
-    assert not readahead_threads()
-    assert {e for e, _ in reports} == {3}  # the daemon hears where the trainer is, not the thread
-    following = ReadAhead(fetch, lambda e, s: None, 4, 0, 7, timeout_s=5, mapped=(4, 0))
+    wait_until(lambda: not reader._thread.is_alive(), what="epoch 4's reader started, and this one done")
+    assert fetched[-1] == (4, 0) and len(readahead_threads()) == 1  # the next epoch's, waiting
+    following = reader.hand_over()
+    time.sleep(0.05)  # it reads no further while its first batch is not taken
+    assert fetched[-1] == (4, 0) and {e for e, _ in reports} == {3}  # and reports nothing yet
     assert following.take(0) == (4, 0)
     wait_until(lambda: fetched[-1:] == [(4, 1)], what="the next step mapped ahead")
     assert fetched.count((4, 0)) == 1  # handed over, not fetched again
+    following.take(1)
+    wait_until(lambda: reports[-1:] == [(4, 1)], what="the trainer's position in epoch 4")
     following.stop()
     assert not readahead_threads()
 
@@ -152,7 +155,8 @@ def test_a_new_epoch_starts_with_its_first_batch_already_mapped(tmp_path, jpeg_f
     for _ in range(len(loader)):
         batch = next(epoch0)  # the trainer holds the epoch's last batch in the end
     first_of_next = paths.batch(1, 0, 0)
-    wait_until(lambda: locked_by_a_reader(first_of_next), what="epoch 1's first batch mapped by the client")
+    wait_until(lambda: not loader._readers.current._thread.is_alive(), what="epoch 1's reader started")
+    assert locked_by_a_reader(first_of_next)  # its first batch mapped
     del batch
     with pytest.raises(StopIteration):
         next(epoch0)
@@ -180,3 +184,26 @@ def test_the_timeout_counts_from_when_the_trainer_asks(tmp_path, jpeg_folder, jo
     assert next(batches)["index"].shape == (4,)
     assert loader.position == (0, 2)
     loader.close()
+
+
+def test_a_loader_dropped_between_epochs_is_collected_and_leaves_no_thread(tmp_path, jpeg_folder, job_root):
+    """The next epoch's reader runs between epochs; it holds the loader weakly, so dropping the
+    loader still frees it (its trainer lock too) and stops that thread."""
+    paths = start_job(write_config(tmp_path, jpeg_folder, batch_size=4, buffer="1M"))
+    loader = PrefetchLoader("job", as_tensors=False, timeout=30)
+    epoch0 = iter(loader)
+    for _ in range(len(loader)):
+        batch = next(epoch0)
+    ending = loader._readers.current  # holds the loader weakly, as every reader does
+    wait_until(lambda: not ending._thread.is_alive(), what="the next epoch's reader started")
+    assert len(readahead_threads()) == 1 and locked_by_a_reader(paths.batch(1, 0, 0))
+    del batch
+    with pytest.raises(StopIteration):
+        next(epoch0)
+    assert len(readahead_threads()) == 1
+    gone = weakref.ref(loader)
+    del loader, epoch0
+    gc.collect()
+    assert gone() is None
+    wait_until(lambda: not readahead_threads(), what="no read-ahead thread after the loader was collected")
+    assert not locked_by_a_reader(paths.batch(1, 0, 0))  # its mapping went with it

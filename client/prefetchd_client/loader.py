@@ -35,6 +35,43 @@ _HANDSHAKE_TIMEOUT_S = 10.0  # a CURVE handshake on this node takes milliseconds
 VERIFY_ENV = "PREFETCHD_VERIFY"
 
 
+class _Readers:
+    """The loader's read-ahead threads: the current epoch's, and the next epoch's, started by
+    the last one with that epoch's first batch (kept until an ``iter()`` adopts it)."""
+
+    def __init__(self):
+        self.current: ReadAhead | None = None
+        self._next: tuple[int, ReadAhead] | None = None
+
+    def handed_over(self, epoch: int, reader: ReadAhead | None) -> None:
+        self.drop_next()
+        if reader is not None:
+            self._next = (epoch, reader)
+
+    def adopt(self, epoch: int, step: int) -> ReadAhead | None:
+        """The next epoch's reader, if that is where this iteration starts; else it is stopped."""
+        following, self._next = self._next, None
+        if following is not None and following[0] == epoch and step == 0:
+            return following[1]
+        if following is not None:
+            following[1].stop()
+        return None
+
+    def drop_next(self) -> None:
+        self.adopt(-1, -1)
+
+    def stop_all(self) -> None:
+        self.drop_next()
+        if self.current is not None:
+            self.current.stop()
+            self.current = None
+
+
+def _close_loader(readers: _Readers, context: zmq.Context, socket: zmq.Socket, trainer_fd: int | None) -> None:
+    readers.stop_all()  # first: they report on the socket
+    _close_socket(context, socket, trainer_fd)
+
+
 def _close_socket(context: zmq.Context, socket: zmq.Socket, trainer_fd: int | None) -> None:
     socket.close(linger=_CLOSE_LINGER_MS)
     context.term()
@@ -139,8 +176,9 @@ class PrefetchLoader:
         elif normalize is not None:
             raise ValueError("normalize= is applied on a device: pass device= too (device='cpu' on a CPU)")
         self._epoch, self._step = 0, 0  # the next batch this rank reads
-        self._reader: ReadAhead | None = None  # maps the next batch while the trainer holds this one
-        self._handed_over: tuple[int, object] | None = None  # (epoch, its step 0), mapped ahead
+        # The threads that map the next batch while the trainer holds this one; in a holder of
+        # their own, which the finalizer stops (they hold this loader only weakly).
+        self._readers = _Readers()
         self._send_lock = threading.Lock()
         server_key = self.manifest.get("curve_public_key")
         curve = transport.client_curve(server_key, curve_client_key, job=job) if server_key else None
@@ -161,7 +199,9 @@ class PrefetchLoader:
         # Tells the daemon this rank's trainer lives (a paused one too) until the process ends.
         self._trainer_fd = hold_trainer_lock(self._paths, self.rank)
         # Deliver the last reports at exit, but never wait on a dead daemon for long.
-        self._finalizer = weakref.finalize(self, _close_socket, self._context, self._socket, self._trainer_fd)
+        self._finalizer = weakref.finalize(
+            self, _close_loader, self._readers, self._context, self._socket, self._trainer_fd
+        )
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -225,7 +265,7 @@ class PrefetchLoader:
         """
         if epoch != self.position[0]:
             self._epoch, self._step = int(epoch), 0
-            self._handed_over = None
+            self._readers.drop_next()
 
     @property
     def sampler(self) -> _EpochSampler:
@@ -238,11 +278,12 @@ class PrefetchLoader:
         n = len(self)
         self._epoch, self._step = self.position
         epoch = self._epoch
-        if self._reader is not None:  # an iterator left mid-epoch: only one thread reads
-            self._reader.stop()
-        mapped = self._take_handed_over(epoch, self._step)
-        reader = self._reader = ReadAhead(self._fetch, self._report, epoch, self._step, n, self.timeout, mapped)
-        del mapped
+        readers = self._readers
+        if readers.current is not None:  # an iterator left mid-epoch: only one thread reads
+            readers.current.stop()
+        reader = readers.current = readers.adopt(epoch, self._step) or ReadAhead(
+            self._fetch, self._report, epoch, self._step, n, self.timeout
+        )
         finished = False
         try:
             for step in range(self._step, n):
@@ -253,19 +294,12 @@ class PrefetchLoader:
             finished = True
         finally:
             if finished:
-                self._handed_over = (epoch + 1, reader.hand_over())
+                readers.handed_over(epoch + 1, reader.hand_over())
             else:
                 reader.stop()
         self._epoch, self._step = epoch + 1, 0
         self._report(epoch + 1, 0)
 
-    def _take_handed_over(self, epoch: int, step: int):
-        """The next epoch's first batch, mapped by the last epoch's reader, if that is where
-        this iteration starts; dropped (unmapped) otherwise, e.g. after a seek."""
-        handed, self._handed_over = self._handed_over, None
-        if handed is not None and handed[0] == epoch and step == 0:
-            return handed[1]
-        return None
 
     def _take(self, reader: ReadAhead, step: int) -> dict:
         batch = reader.take(step)
@@ -311,13 +345,10 @@ class PrefetchLoader:
         if not all(type(v) is int and v >= 0 for v in (epoch, consumed)):
             raise PlanMismatch(f"state has a bad position: epoch {epoch!r}, samples_consumed {consumed!r}")
         self._epoch, self._step = epoch, consumed // self.manifest["global_batch"]
-        self._handed_over = None  # unmapped now: the daemon may want its slot for the seek
+        self._readers.drop_next()  # its batch unmapped now: the daemon may want the slot for the seek
         self._report(self._epoch, self._step)
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.stop()
-        self._handed_over = None
         self._finalizer()
 
     # -- internals -------------------------------------------------------------------------

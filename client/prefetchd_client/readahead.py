@@ -14,15 +14,18 @@ Errors (DaemonDied, BatchTimeout, a bad batch) travel to the trainer's thread an
 there, at the step they belong to.
 
 At the end of an epoch the thread maps the next epoch's first batch too, while the trainer
-holds the last one, and ``hand_over`` gives it to the next epoch's ReadAhead: a new epoch
-starts with its first batch already mapped, not with a new thread opening a file. No thread
-outlives its epoch.
+holds the last one, and starts the next epoch's ReadAhead with it (a thread start costs the
+starting thread 0.2-5 ms here: better this one than the trainer's); ``hand_over`` gives that
+one to the loader. A new epoch starts with its first batch in hand and its reader running.
+The threads hold the loader weakly (its fetch and report methods), so a loader dropped
+between epochs is still collected, and its finalizer stops them.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 from .errors import BatchTimeout
@@ -37,9 +40,9 @@ class Stopped(Exception):
 
 class ReadAhead:
     """Reads steps ``first .. n - 1`` of ``epoch`` with ``fetch(epoch, step, self)``, in order,
-    then step 0 of ``epoch + 1`` for ``hand_over``; the trainer takes them with ``take(step)``.
-    ``report(epoch, step)`` tells the daemon. ``mapped``: step ``first``, mapped already (what
-    the previous epoch's reader handed over).
+    then step 0 of ``epoch + 1`` for the next epoch's reader (``hand_over``); the trainer takes
+    them with ``take(step)``. ``report(epoch, step)`` tells the daemon. ``mapped``: step
+    ``first``, mapped already by the previous epoch's reader, which started this one.
 
     ``fetch`` sleeps with ``nap(seconds)`` between its looks for a file and then calls
     ``waiting(resend)``: that raises Stopped when the trainer has left, and reports a position
@@ -57,7 +60,7 @@ class ReadAhead:
         timeout_s: float,
         mapped: object = None,
     ):
-        self._fetch, self._report = fetch, report
+        self._fetch, self._report = _weakly(fetch), _weakly(report)
         self._epoch, self._first, self._n = epoch, first, n
         self._timeout_s = timeout_s
         self._stopped = threading.Event()
@@ -66,7 +69,9 @@ class ReadAhead:
         self._slot: tuple[int, object, bool] | None = None if mapped is None else (first, mapped, False)
         self._to_fetch = first if mapped is None else first + 1  # fixed here: the trainer may empty the slot at once
         self._reached = first  # the step the trainer reads: taken last, or about to be
-        self._sent = -1
+        # A reader started ahead of its epoch stays quiet until the trainer takes a batch of
+        # it: the loader reports the new epoch's start itself when the trainer gets there.
+        self._sent = -1 if mapped is None else first
         self._wanted = threading.Event()  # the trainer waits for the slot: stop napping
         self._asked_at: float | None = None  # when the trainer began to wait for the empty slot
         self._thread = threading.Thread(target=self._run, name="prefetchd-readahead", daemon=True)
@@ -96,11 +101,14 @@ class ReadAhead:
 
     def stop(self) -> None:
         """End the thread and drop what it mapped (the trainer left the epoch, or closed)."""
-        self.hand_over()
+        successor = self.hand_over()
+        if successor is not None:
+            successor.stop()
 
-    def hand_over(self):
-        """End the thread; return the next epoch's first batch if it is mapped already, else
-        None (still on its way, or it failed: the next reader fetches it afresh)."""
+    def hand_over(self) -> ReadAhead | None:
+        """End the thread; return the next epoch's reader, started with that epoch's first
+        batch, if it is there already, else None (that batch is still on its way, or it
+        failed: the next epoch's reader is made afresh and fetches it)."""
         self._stopped.set()
         self._wanted.set()  # out of a nap at once
         with self._cond:
@@ -139,8 +147,14 @@ class ReadAhead:
     def _send_position(self) -> None:
         reached = self._reached
         if reached != self._sent:
-            self._report(self._epoch, reached)
+            self._call(self._report, self._epoch, reached)
             self._sent = reached
+
+    def _call(self, method: Callable[[], Callable | None], *args):
+        bound = method()
+        if bound is None:  # the loader was collected: nobody reads on
+            raise Stopped()
+        return bound(*args)
 
     def _run(self) -> None:
         try:
@@ -149,11 +163,21 @@ class ReadAhead:
                 self._wait_slot_free()  # one batch ahead of the trainer, no more
                 # Straight into the slot: a local here would keep the batch alive after the
                 # trainer dropped it, until the next fetch.
-                self._fill(step, self._fetch(self._epoch, step, self), False)
+                self._fill(step, self._call(self._fetch, self._epoch, step, self), False)
             self._wait_slot_free()
             self._send_position()  # the trainer took the last batch: where it is now
-            # While it holds that one: the next epoch's first batch, for hand_over().
-            self._fill(self._n, self._fetch(self._epoch + 1, 0, self), False)
+            # While it holds that one: the next epoch's first batch and reader, for hand_over().
+            fetch, report = self._fetch(), self._report()
+            if fetch is None or report is None:
+                raise Stopped()  # the loader was collected
+            first = fetch(self._epoch + 1, 0, self)
+            successor = ReadAhead(fetch, report, self._epoch + 1, 0, self._n, self._timeout_s, mapped=first)
+            del fetch, report, first  # the successor holds the loader weakly; so must this thread
+            try:
+                self._fill(self._n, successor, False)
+            except Stopped:
+                successor.stop()
+                raise
         except Stopped:
             return
         except BaseException as exc:  # noqa: BLE001 - every error belongs to the trainer's thread
@@ -182,3 +206,11 @@ class ReadAhead:
             self._slot = (step, value, is_error)
             self._asked_at = None
             self._cond.notify_all()
+
+
+def _weakly(fn: Callable) -> Callable[[], Callable | None]:
+    """A weak reference to a bound method (the loader's); a plain function is held as it is."""
+    try:
+        return weakref.WeakMethod(fn)
+    except TypeError:
+        return lambda: fn
