@@ -109,6 +109,8 @@ def test_the_next_epochs_reader_starts_while_the_trainer_holds_the_last_batch():
     following = reader.hand_over()
     time.sleep(0.05)  # it reads no further while its first batch is not taken
     assert fetched[-1] == (4, 0) and {e for e, _ in reports} == {3}  # and reports nothing yet
+    following.announce()  # the loader's word that the trainer left epoch 3: sent on its thread
+    wait_until(lambda: reports[-1:] == [(4, 0)], what="epoch 4's start reported")
     assert following.take(0) == (4, 0)
     wait_until(lambda: fetched[-1:] == [(4, 1)], what="the next step mapped ahead")
     assert fetched.count((4, 0)) == 1  # handed over, not fetched again

@@ -57,6 +57,13 @@ class _Readers:
             following[1].stop()
         return None
 
+    def announce_next(self) -> bool:
+        """Have the next epoch's reader, if there is one, report that the trainer reached it."""
+        if self._next is None:
+            return False
+        self._next[1].announce()
+        return True
+
     def drop_next(self) -> None:
         self.adopt(-1, -1)
 
@@ -298,7 +305,8 @@ class PrefetchLoader:
             else:
                 reader.stop()
         self._epoch, self._step = epoch + 1, 0
-        self._report(epoch + 1, 0)
+        if not readers.announce_next():
+            self._report(epoch + 1, 0)
 
 
     def _take(self, reader: ReadAhead, step: int) -> dict:

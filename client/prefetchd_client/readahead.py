@@ -105,6 +105,14 @@ class ReadAhead:
         if successor is not None:
             successor.stop()
 
+    def announce(self) -> None:
+        """Have this reader's thread tell the daemon that the trainer is at its first step (the
+        loader calls it when the trainer leaves the last epoch): a send on the trainer's
+        thread costs it 0.1-4 ms here, as zmq wakes its I/O thread."""
+        with self._cond:
+            self._sent = -1
+            self._cond.notify_all()
+
     def hand_over(self) -> ReadAhead | None:
         """End the thread; return the next epoch's reader, started with that epoch's first
         batch, if it is there already, else None (that batch is still on its way, or it
