@@ -180,7 +180,6 @@ class ReadAhead:
                 raise Stopped()  # the loader was collected
             first = fetch(self._epoch + 1, 0, self)
             successor = ReadAhead(fetch, report, self._epoch + 1, 0, self._n, self._timeout_s, mapped=first)
-            del fetch, report, first  # the successor holds the loader weakly; so must this thread
             try:
                 self._fill(self._n, successor, False)
             except Stopped:
