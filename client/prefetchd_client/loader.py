@@ -43,18 +43,17 @@ class _Readers:
         self.current: ReadAhead | None = None
         self._next: tuple[int, ReadAhead] | None = None
 
-    def handed_over(self, epoch: int, reader: ReadAhead | None) -> None:
+    def keep_next(self, epoch: int, reader: ReadAhead | None) -> None:
         self.drop_next()
         if reader is not None:
             self._next = (epoch, reader)
 
     def adopt(self, epoch: int, step: int) -> ReadAhead | None:
         """The next epoch's reader, if that is where this iteration starts; else it is stopped."""
-        following, self._next = self._next, None
-        if following is not None and following[0] == epoch and step == 0:
-            return following[1]
-        if following is not None:
-            following[1].stop()
+        if self._next is not None and self._next[0] == epoch and step == 0:
+            reader, self._next = self._next[1], None
+            return reader
+        self.drop_next()
         return None
 
     def announce_next(self) -> bool:
@@ -65,7 +64,9 @@ class _Readers:
         return True
 
     def drop_next(self) -> None:
-        self.adopt(-1, -1)
+        following, self._next = self._next, None
+        if following is not None:
+            following[1].stop()
 
     def stop_all(self) -> None:
         self.drop_next()
@@ -129,8 +130,9 @@ def _stop_reason(log_path) -> str | None:
 class PrefetchLoader:
     """Iterate the batches of rank ``rank`` of the prefetchd job ``job``.
 
-    ``timeout``: seconds the trainer waits for one batch, from when it asks. ``restart_grace``: seconds a waiting loader
-    gives a dead daemon to be restarted before it raises DaemonDied. ``verify`` (default:
+    ``timeout``: seconds the trainer waits for one batch, counted from its ``next()``.
+    ``restart_grace``: seconds a waiting loader gives a dead daemon to be restarted before it
+    raises DaemonDied. ``verify`` (default:
     ``$PREFETCHD_VERIFY=1``): check every batch before yielding it (its name, this job's
     config hash, the CRC-32 of its bytes) and raise BatchFormatError on any difference; a
     test mode, it reads every byte once.
@@ -301,7 +303,7 @@ class PrefetchLoader:
             finished = True
         finally:
             if finished:
-                readers.handed_over(epoch + 1, reader.hand_over())
+                readers.keep_next(epoch + 1, reader.hand_over())
             else:
                 reader.stop()
         self._epoch, self._step = epoch + 1, 0
