@@ -4,6 +4,8 @@ turns a UserError into its message and exit code (never a traceback)."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -14,7 +16,17 @@ from rich.markup import escape
 from rich.table import Table
 
 from prefetchd_client.errors import AuthError
-from prefetchd_client.layout import JobPaths, daemon_alive, resolve_root
+from prefetchd_client.layout import (
+    JobPaths,
+    OpenJob,
+    UnsafeFolder,
+    check_manifest,
+    daemon_alive,
+    open_job,
+    open_private_dir,
+    read_manifest,
+    resolve_root,
+)
 
 from . import control
 from .config import load_config
@@ -46,6 +58,19 @@ def _job_paths(job: str, root: Optional[Path]) -> JobPaths:
         raise _fail(JobError(str(exc))) from None
 
 
+def _open_job(paths: JobPaths) -> OpenJob:
+    """The job's root and folder, checked (prefetchd_client.layout.open_job); a clear error
+    and exit 4 when either is missing or is not this user's private folder."""
+    try:
+        return open_job(paths)
+    except FileNotFoundError:
+        raise _fail(
+            JobError(f"no job {paths.name!r} under {paths.dir.parent}; start one with `prefetchd start CONFIG`")
+        ) from None
+    except UnsafeFolder as exc:
+        raise _fail(JobError(str(exc))) from None
+
+
 @app.command()
 def start(
     config: Annotated[Optional[Path], typer.Argument(help="TOML config (see configs/)")] = None,
@@ -57,7 +82,11 @@ def start(
         Optional[float], typer.Option(help="Stop when more samples than this are bad [0.25]")
     ] = None,
     worker_timeout: Annotated[
-        Optional[float], typer.Option(help="Seconds without a heartbeat before a worker is replaced [60]")
+        Optional[float],
+        typer.Option(
+            help="Seconds a busy worker may finish no sample (any worker: send no heartbeat) before it is "
+            "replaced; above your slowest sample [60]"
+        ),
     ] = None,
     max_worker_restarts: Annotated[
         Optional[int], typer.Option(help="Worker deaths tolerated per minute before stopping [20]")
@@ -92,7 +121,7 @@ def start(
     keep: Annotated[bool, typer.Option("--keep", help="Keep the job directory when the daemon stops")] = False,
 ) -> None:
     """Start a job's daemon; returns once it serves, printing its job dir and pid."""
-    from .daemon import serve, start_detached
+    from .daemon import start_detached
 
     overrides = dict(
         buffer=buffer,
@@ -118,15 +147,11 @@ def start(
     try:
         cfg = load_config(config, overrides)
         paths = _job_paths(cfg.name, root)
+        warning = control.endpoint_warning(cfg)
+        if warning is not None:
+            err.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False)
         if foreground:
-
-            def notify(msg: dict) -> None:
-                if msg["ok"]:
-                    err.print(f"job {cfg.name} serving at {paths.dir} (pid {msg['pid']}); Ctrl-C stops it")
-
-            code = serve(cfg, paths, keep=keep, notify=notify, detach_output=False)
-            if code:
-                raise UserError(f"the daemon stopped with exit code {code}; see {paths.log}")
+            _serve_in_foreground(cfg, paths, keep)
             return
         msg = start_detached(cfg, paths, keep=keep)
     except UserError as exc:
@@ -134,13 +159,46 @@ def start(
     out.print(f"job {cfg.name} serving\njob dir: {msg['job_dir']}\npid: {msg['pid']}", highlight=False)
 
 
+def _serve_in_foreground(cfg, paths: JobPaths, keep: bool) -> None:
+    """Run the daemon in this process until it stops. A failure, at start-up or later, raises
+    UserError with the daemon's own message and exit code: under systemd or in a container
+    this is the only place where the reason shows."""
+    from .daemon import serve
+
+    failure: dict = {}
+
+    def notify(msg: dict) -> None:
+        if msg["ok"]:
+            err.print(f"job {cfg.name} serving at {paths.dir} (pid {msg['pid']}); Ctrl-C stops it")
+        else:
+            failure.update(msg)
+
+    def on_stop(reason: str, code: int) -> None:
+        failure.update(error=f"the daemon stopped: {reason}", exit_code=code)
+
+    code = serve(cfg, paths, keep=keep, notify=notify, detach_output=False, on_stop=on_stop)
+    if code:
+        error = UserError(failure.get("error") or f"the daemon stopped with exit code {code}")
+        error.exit_code = code
+        raise error
+
+
 def _job_status(paths: JobPaths) -> dict:
-    if not daemon_alive(paths):
+    """Its daemon's status, asked only once the job's folders are proven this user's: a job in
+    folders that are not is "refused" unread (its manifest could name anyone's endpoint)."""
+    try:
+        job = open_job(paths)
+    except FileNotFoundError:
         return {"job": paths.name, "state": "not running", "job_dir": str(paths.dir)}
-    try:  # at the endpoint in its manifest: ipc, or TCP (with CURVE when the manifest has a server key)
-        reply = control.request_job(paths, {"op": "status"}, timeout_s=3.0)
-    except AuthError as exc:
+    except UnsafeFolder as exc:
         return {"job": paths.name, "state": "refused", "job_dir": str(paths.dir), "error": str(exc)}
+    with job:
+        if not daemon_alive(paths, dir_fd=job.dir_fd):
+            return {"job": paths.name, "state": "not running", "job_dir": str(paths.dir)}
+        try:  # at the endpoint in its manifest: ipc, or TCP (with CURVE when the manifest has a server key)
+            reply = control.request_job(paths, {"op": "status"}, timeout_s=3.0, dir_fd=job.dir_fd)
+        except AuthError as exc:
+            return {"job": paths.name, "state": "refused", "job_dir": str(paths.dir), "error": str(exc)}
     if reply is None:
         return {"job": paths.name, "state": "not responding", "job_dir": str(paths.dir)}
     return {"state": "serving", "job_dir": str(paths.dir), **reply}
@@ -184,12 +242,10 @@ def status(
     """Show the buffer, each rank's position, and production and consumption rates."""
     if job is not None:
         paths = _job_paths(job, root)
-        if not paths.dir.exists():
-            raise _fail(JobError(f"no job {job!r} under {paths.dir.parent}; start one with `prefetchd start CONFIG`"))
+        _open_job(paths).close()  # a missing job, or one in folders not ours: its message, exit 4
         jobs = [paths]
     else:
-        base = resolve_root(root)
-        jobs = sorted(JobPaths(p) for p in base.iterdir() if p.is_dir()) if base.is_dir() else []
+        jobs = _jobs_under(resolve_root(root))
     reports = [_job_status(p) for p in jobs]
     if as_json:
         print(json.dumps(reports[0] if job is not None else reports, indent=1))
@@ -198,6 +254,29 @@ def status(
         out.print(f"no jobs under {resolve_root(root)}")
     for s in reports:
         _print_status(s)
+
+
+def _jobs_under(base: Path) -> list[JobPaths]:
+    """The job folders under the root ``base``, listed once the root is proven this user's
+    (symlinks among them included: their status says why they are refused)."""
+    try:
+        root_fd = open_private_dir(base, "job root")
+    except FileNotFoundError:
+        return []
+    except UnsafeFolder as exc:
+        raise _fail(JobError(str(exc))) from None
+    jobs = []
+    try:
+        for name in os.listdir(root_fd):
+            try:
+                mode = os.stat(name, dir_fd=root_fd, follow_symlinks=False).st_mode
+            except FileNotFoundError:  # a job that stopped while it was listed
+                continue
+            if stat.S_ISDIR(mode) or stat.S_ISLNK(mode):
+                jobs.append(JobPaths(base / name))
+    finally:
+        os.close(root_fd)
+    return sorted(jobs)
 
 
 @app.command()
@@ -228,14 +307,24 @@ def verify(
     """Remake one batch in-process and compare it, byte for byte, with the published one."""
     from .verify import verify_batch
 
+    paths = _job_paths(job, root)
+    # Checked before anything is read: the job's producer.json names code that verify imports.
+    with _open_job(paths) as folder:
+        try:
+            check_manifest(paths, read_manifest(paths, dir_fd=folder.dir_fd))
+        except FileNotFoundError:
+            raise _fail(JobError(f"no serving job {job!r} under {paths.dir.parent}; start it first")) from None
+        except ValueError as exc:
+            raise _fail(JobError(f"{exc}; a daemon never writes that: restart the job")) from None
     try:
-        result = verify_batch(_job_paths(job, root), epoch, step, rank)
+        result = verify_batch(paths, epoch, step, rank)
     except UserError as exc:
         raise _fail(exc) from None
     if not result["identical"]:
         err.print(
             f"[bold red]differs:[/] {result['batch']}: published crc32 {result['published_crc32']}, "
             f"regenerated {result['regenerated_crc32']}; "
+            f"{result['reason'] + '; ' if result.get('reason') else ''}"
             f"fields {', '.join(result['differing_fields']) or '(hash only)'}",
             highlight=False,
         )

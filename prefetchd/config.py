@@ -15,7 +15,7 @@ workers = 15             # default: cores - 1, at least 1
 retain = 2               # consumed batches kept per rank: a restart a few steps back is warm
 on_error = "replace"     # a bad sample: "replace" it (recorded in the batch header) or "fail"
 max_bad_rate = 0.25      # stop when more of the samples than this are bad
-worker_timeout = 60      # seconds without a heartbeat before a worker is killed and replaced
+worker_timeout = 60      # seconds a busy worker may finish no sample (an idle one: send no heartbeat)
 max_worker_restarts = 20 # worker deaths tolerated per minute before the daemon stops
 worker_nice = 10         # workers' CPU niceness (0-19): a trainer's threads run first when they wake
 on_trainer_exit = "keep" # a rank's trainer process is gone: "keep" its window (warm restart) or "release" it
@@ -48,11 +48,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from prefetchd_client.batchfile import VERSION as BATCH_FORMAT_VERSION
 from prefetchd_client.layout import check_job_name
 from prefetchd_client.transport import load_secret_certificate, parse_tcp_endpoint
 
@@ -146,6 +148,28 @@ def content_hash(content: dict) -> str:
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def plan_digest(config: Config, plan: dict, data_fingerprint: str) -> str:
+    """Identifies everything that decides a batch's bytes; a batch is of this job only if it
+    carries this digest.
+
+    Unlike the config hash (what a resume state must match), nothing is left out: world size,
+    batch size, drop_last, weights and mix rule (all in ``plan``, ``Plan.to_json()``), the
+    data, the source names (a batch's per-source counts), the transforms or the pipeline
+    callable, the decoder, and the batch format version. A daemon restarted with any of them
+    changed must not adopt the batches the previous one left.
+    """
+    decides = {
+        "format_version": BATCH_FORMAT_VERSION,
+        "plan": plan,
+        "data": data_fingerprint,
+        "sources": [s["name"] for s in config.sources],
+        "transforms": list(config.transforms),
+        "pipeline": config.pipeline,
+        "decoder": config.decoder,
+    }
+    return content_hash(decides)
+
+
 def _typed(value, types, where: str):
     types = types if isinstance(types, tuple) else (types,)
     # bool is an int in Python; a flag like world_size = true is still a mistake.
@@ -222,8 +246,9 @@ def _check_endpoint(values: dict, base: Path, flags: dict) -> dict:
             raise ConfigError(
                 f"[daemon] endpoint / --endpoint {endpoint} would listen on {where}, which is not a loopback "
                 "address, without authentication: anyone who can reach this node could stop the job or move its "
-                f"position. Use tcp://127.0.0.1:{tcp.port}, or configure CURVE with [daemon] curve_secret_key and "
-                "curve_authorized_keys (--curve-secret-key, --curve-authorized-keys)"
+                "position. Use the default ipc endpoint (private to you), or configure CURVE with [daemon] "
+                "curve_secret_key and curve_authorized_keys (--curve-secret-key, --curve-authorized-keys); "
+                f"tcp://127.0.0.1:{tcp.port} is reachable by every local user"
             )
     if curve:
         for key, check in (
@@ -261,8 +286,10 @@ def _check_source(i: int, src, base: Path) -> dict:
     if not isinstance(src.get(key), str) or not src[key]:
         raise ConfigError(f'{where} ({kind}) needs {key} = "..." (or pass --data PATH)')
     weight = src.get("weight")
-    if weight is not None and (isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0):
-        raise ConfigError(f"{where}: weight must be a positive number, got {weight!r}")
+    if weight is not None and (
+        isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < math.inf
+    ):
+        raise ConfigError(f"{where}: weight must be a positive finite number, got {weight!r}")
     name = src.get("name", f"source{i}")
     if not isinstance(name, str) or not name:
         raise ConfigError(f"{where}: name must be a non-empty string, got {name!r}")

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from prefetchd_client.layout import JobPaths, read_manifest
+from prefetchd_client.layout import SOCKET, JobPaths, read_manifest, valid_curve_key, valid_endpoint
 from prefetchd_client.transport import (
     client_curve,
     connect,
@@ -47,7 +47,11 @@ from .errors import ConfigError
 if TYPE_CHECKING:
     from .config import Config
 
+log = logging.getLogger("prefetchd.control")  # a child of the daemon's logger: lands in daemon.log
+
 MAX_MESSAGE_BYTES = 64 * 1024
+HANDSHAKE_TIMEOUT_MS = 2000  # ZeroMQ's default is 30 s; a CURVE handshake here takes milliseconds
+MAX_MESSAGES_PER_TURN = 256  # a flood of messages cannot starve the master's other duties
 _SCHEMA = {
     "position": {"rank": int, "epoch": int, "step": int, "pid": int},
     "status": {},
@@ -69,7 +73,10 @@ def decode_message(data: bytes) -> dict:
         msg = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         raise BadMessage("not UTF-8 JSON") from None
-    if not isinstance(msg, dict) or msg.get("op") not in _SCHEMA:
+    except RecursionError:  # 30,000 nested brackets fit the size cap: the parser gives up
+        raise BadMessage("JSON nested too deeply") from None
+    # type(...) is str first: an op that is a list or an object is not hashable
+    if not isinstance(msg, dict) or type(msg.get("op")) is not str or msg["op"] not in _SCHEMA:
         raise BadMessage(f"unknown op; expected one of {sorted(_SCHEMA)}")
     schema = _SCHEMA[msg["op"]]
     for key, value in msg.items():
@@ -105,6 +112,9 @@ def bind_server(context: zmq.Context, paths: JobPaths, config: Config) -> Contro
     sock = context.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    # A connection that has not finished its ZeroMQ (and CURVE) handshake within this is
+    # closed: idle raw TCP connections cannot pile up and take the daemon's descriptors.
+    sock.setsockopt(zmq.HANDSHAKE_IVL, HANDSHAKE_TIMEOUT_MS)
     server = ControlServer(sock, paths.endpoint)
     try:
         if config.endpoint == "ipc":
@@ -122,10 +132,30 @@ def bind_server(context: zmq.Context, paths: JobPaths, config: Config) -> Contro
                 f"[daemon] endpoint / --endpoint: cannot listen on {tcp.bind_address()}: {exc.strerror}; "
                 "choose another port (another job or program may hold this one)"
             ) from None
+        warning = endpoint_warning(config)
+        if warning:
+            log.warning(warning)
         return server
     except BaseException:
         server.close()
         raise
+
+
+def endpoint_warning(config: Config) -> str | None:
+    """What ``start`` prints and the daemon logs for a TCP endpoint without CURVE; None otherwise.
+
+    Config allows such an endpoint on loopback only, which keeps other machines out but not
+    other users of this one: a TCP port, unlike the ipc socket in the 0700 job folder, is open
+    to every local process, and without CURVE nothing tells them apart.
+    """
+    if config.endpoint == "ipc" or config.curve_secret_key is not None:
+        return None
+    return (
+        f"the control endpoint {config.endpoint} has no authentication: every user of this node can "
+        "connect to it, read the job's status, move its ranks' positions (which deletes their buffered "
+        "batches) and stop the job. Use the default ipc endpoint (a socket inside your private job "
+        "folder), or configure CURVE (--curve-secret-key and --curve-authorized-keys)"
+    )
 
 
 def _serve_curve(context: zmq.Context, server: ControlServer, config: Config) -> None:
@@ -182,21 +212,37 @@ def load_authorized_keys(directory: str | os.PathLike) -> list[bytes]:
     return keys
 
 
-def job_endpoint(paths: JobPaths) -> tuple[str, str | None]:
+def job_endpoint(paths: JobPaths, *, dir_fd: int | None = None) -> tuple[str, str | None]:
     """Where a job's daemon listens, and its CURVE public key (None without CURVE): from the
-    manifest; the ipc socket while there is none yet."""
+    manifest (read in the checked folder ``dir_fd``, see prefetchd_client.layout.open_job);
+    the ipc socket while there is none yet, or when its values are not an endpoint and a key."""
     try:
-        manifest = read_manifest(paths)
+        manifest = read_manifest(paths, dir_fd=dir_fd)
     except (OSError, ValueError):
         return paths.endpoint, None
     endpoint, key = manifest.get("endpoint"), manifest.get("curve_public_key")
-    return (endpoint if isinstance(endpoint, str) else paths.endpoint), (key if isinstance(key, str) else None)
+    if not valid_endpoint(paths, endpoint):
+        return paths.endpoint, None
+    return endpoint, (key if valid_curve_key(key) else None)
 
 
-def request_job(paths: JobPaths, msg: dict, timeout_s: float = 3.0) -> dict | None:
-    """``request`` to the daemon of the job at ``paths``, wherever its manifest says it listens."""
-    endpoint, server_key = job_endpoint(paths)
+def request_job(paths: JobPaths, msg: dict, timeout_s: float = 3.0, *, dir_fd: int | None = None) -> dict | None:
+    """``request`` to the daemon of the job at ``paths``, wherever its manifest says it listens.
+
+    Callers check the job's folders first (``open_job``) and pass its ``dir_fd``: the manifest
+    of a folder that is not theirs could name anyone's endpoint."""
+    endpoint, server_key = job_endpoint(paths, dir_fd=dir_fd)
+    if endpoint == paths.endpoint and not _exists(SOCKET if dir_fd is not None else paths.socket, dir_fd):
+        return None  # no socket, no daemon to answer: ZeroMQ would wait out the whole timeout
     return request(endpoint, msg, timeout_s, server_key=server_key, job=paths.name)
+
+
+def _exists(path, dir_fd: int | None) -> bool:
+    try:
+        os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def request(

@@ -11,31 +11,30 @@ import errno
 import fcntl
 import os
 import shutil
-import stat
 from pathlib import Path
 
-from prefetchd_client.layout import JobPaths, read_manifest
+from prefetchd_client.layout import LOCK, JobPaths, UnsafeFolder, open_private_dir, read_manifest
 
 from .errors import JobError
 
 
-def ensure_private_dir(path: Path, what: str) -> None:
-    """Create ``path`` as 0700, or accept it only if it is ours, a real folder and not open to others.
+def ensure_private_dir(path: Path, what: str, *, dir_fd: int | None = None) -> int:
+    """Create ``path`` as 0700, or accept it only if it is ours, a real folder and not open to
+    others; a descriptor of it (the caller closes it) to work relative to. With ``dir_fd``,
+    ``path.name`` is created and opened relative to that folder.
 
     /dev/shm is world-writable: a folder that someone else created in advance (or a symlink
-    planted there) would let them read or replace batches.
+    planted there) would let them read or replace batches. The check is the client's, the one
+    every entry point runs (prefetchd_client.layout.open_private_dir).
     """
     try:
-        os.mkdir(path, 0o700)
+        os.mkdir(path.name if dir_fd is not None else path, 0o700, dir_fd=dir_fd)
     except FileExistsError:
         pass
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise JobError(f"{what} {path} is a symlink or not a folder; remove it or choose another --root")
-    if st.st_uid != os.getuid():
-        raise JobError(f"{what} {path} belongs to uid {st.st_uid}, not you; remove it or choose another --root")
-    if st.st_mode & 0o022:
-        raise JobError(f"{what} {path} is writable by others (mode {st.st_mode & 0o777:o}); chmod 700 it")
+    try:
+        return open_private_dir(path, what, dir_fd=dir_fd)
+    except UnsafeFolder as exc:
+        raise JobError(str(exc)) from None
 
 
 class JobDir:
@@ -44,33 +43,57 @@ class JobDir:
     def __init__(self, paths: JobPaths):
         self.paths = paths
         self._lock_fd = -1
+        # What a failed start may remove: the folder, if this start created it (note_existing),
+        # else only the entries that are new or replaced since prepare looked (_found; None:
+        # it did not look, so this start made nothing there).
+        self.created = False
+        self._found: dict[str, tuple[int, int]] | None = None
+
+    def note_existing(self) -> None:
+        """Before acquire: whether the job folder is already there (a killed daemon's warm
+        buffer, say), which a failed start must then keep."""
+        self.created = not os.path.lexists(self.paths.dir)
 
     def acquire(self) -> None:
         """Create and lock the job directory; JobError (touching nothing) if a daemon holds it."""
         root = self.paths.dir.parent
-        root.parent.mkdir(parents=True, exist_ok=True)
-        ensure_private_dir(root, "job root")
-        ensure_private_dir(self.paths.dir, "job directory")
-        fd = os.open(self.paths.lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise
-            try:
-                pid = read_manifest(self.paths).get("pid", "?")
-            except (OSError, ValueError):
-                pid = "?"
+            root.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a regular file on the way, no permission, ...
             raise JobError(
-                f"job {self.paths.name!r} is already running (daemon pid {pid}, {self.paths.dir}); "
-                f"use it, stop it with `prefetchd stop {self.paths.name}`, or pick another --name"
+                f"cannot create the folder of the job root {root}: {exc.strerror} ({exc.filename}); "
+                "choose another --root or PREFETCHD_ROOT"
             ) from None
+        root_fd = ensure_private_dir(root, "job root")
+        try:  # relative to the checked root: the folder locked is the folder checked
+            dir_fd = ensure_private_dir(self.paths.dir, "job folder", dir_fd=root_fd)
+        finally:
+            os.close(root_fd)
+        try:
+            fd = os.open(LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    raise
+                try:
+                    pid = read_manifest(self.paths, dir_fd=dir_fd).get("pid", "?")
+                except (OSError, ValueError):
+                    pid = "?"
+                raise JobError(
+                    f"job {self.paths.name!r} is already running (daemon pid {pid}, {self.paths.dir}); "
+                    f"use it, stop it with `prefetchd stop {self.paths.name}`, or pick another --name"
+                ) from None
+        finally:
+            os.close(dir_fd)
         self._lock_fd = fd
 
     def prepare(self) -> None:
         """Sub-folders ready; a dead daemon's leftovers swept: its half-written files, socket and
-        manifest. Finished batches stay: the new master validates them and keeps what it can use."""
+        manifest. Finished batches stay: the new master validates them and keeps what it can use.
+        What the folder holds is noted first, so that a failed start removes only what it made."""
+        self._found = _entry_identities(self.paths.dir)
         for leftover in (self.paths.manifest, self.paths.socket):
             leftover.unlink(missing_ok=True)
         for folder in (self.paths.tmp_dir, self.paths.dir / "index"):
@@ -85,18 +108,91 @@ class JobDir:
             folder.mkdir(mode=0o700, exist_ok=True)
 
     def remove(self, keep: list[Path] = ()) -> None:
-        if not keep:
-            shutil.rmtree(self.paths.dir, ignore_errors=True)
+        """Delete the job folder, or all of it but ``keep``; relative to descriptors opened
+        without following symlinks, so nothing outside the folder can be deleted."""
+        kept = {p.name for p in keep}
+        self._remove_in_folder(whole=not kept, entries=lambda dir_fd: _names_but(dir_fd, kept))
+
+    def remove_what_this_start_made(self) -> None:
+        """After a failed start: a job folder this start created goes whole. In one that was
+        there, the entries this start made or replaced go (manifest, socket, producer.json,
+        index/, tmp/ with its workers' files); the log (it says why), the lock, and batches/,
+        retired/, progress/ and trainers/ (a warm buffer, trainers' reports) stay, as does
+        anything this start left as it found it."""
+        self._remove_in_folder(whole=self.created, entries=self._made_by_this_start)
+
+    def _remove_in_folder(self, *, whole: bool, entries) -> None:
+        """The folder (``whole``), or the ``entries(dir_fd)`` it names in it. A root or folder
+        that is gone, or is a symlink now, is not ours to delete in: nothing is."""
+        try:
+            root_fd = os.open(self.paths.dir.parent, _DIR_FLAGS)
+        except OSError:
             return
-        for entry in self.paths.dir.iterdir():
-            if entry in keep:
+        try:
+            if whole:
+                shutil.rmtree(self.paths.name, ignore_errors=True, dir_fd=root_fd)
+                return
+            dir_fd = os.open(self.paths.name, _DIR_FLAGS, dir_fd=root_fd)
+        except OSError:
+            return
+        finally:
+            os.close(root_fd)
+        try:
+            for name in entries(dir_fd):
+                if not _remove_quietly(os.unlink, name, dir_fd):
+                    shutil.rmtree(name, ignore_errors=True, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+
+    def _made_by_this_start(self, dir_fd: int) -> list[str]:
+        if self._found is None:  # prepare did not look: this start made nothing here
+            return []
+        paths = self.paths
+        kept = {paths.log.name, paths.lock.name}
+        data = {p.name for p in (paths.batch_dir, paths.retired_dir, paths.progress_dir, paths.trainers_dir)}
+        made = []
+        for name, identity in _entry_identities(dir_fd).items():
+            if name in kept or self._found.get(name) == identity:
                 continue
-            if entry.is_dir() and not entry.is_symlink():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.unlink(missing_ok=True)
+            if name in data:
+                if name not in self._found:  # made by this start: gone if still empty
+                    _remove_quietly(os.rmdir, name, dir_fd)
+                continue
+            made.append(name)
+        return made
 
     def release(self) -> None:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _entry_identities(folder: Path | int) -> dict[str, tuple[int, int]]:
+    """Name -> (inode, mtime in ns) of each entry of ``folder`` (a path or a descriptor), not
+    following symlinks: an entry replaced (a new inode) or rewritten (a new mtime) differs."""
+    found = {}
+    with os.scandir(folder) as entries:
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            found[entry.name] = (st.st_ino, st.st_mtime_ns)
+    return found
+
+
+def _names_but(dir_fd: int, kept: set[str]) -> list[str]:
+    return [name for name in os.listdir(dir_fd) if name not in kept]
+
+
+def _remove_quietly(remove, name: str, dir_fd: int) -> bool:
+    """``remove(name, dir_fd=dir_fd)``; False when it failed (a folder given to unlink, a
+    folder not empty given to rmdir, an entry gone already)."""
+    try:
+        remove(name, dir_fd=dir_fd)
+    except OSError:
+        return False
+    return True

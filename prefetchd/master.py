@@ -8,11 +8,14 @@ watcher only enqueue, and the loop dispatches.
 from __future__ import annotations
 
 import collections
+import errno
 import json
 import logging
 import multiprocessing
 import os
+import resource
 import signal
+import stat
 import time
 from dataclasses import dataclass, field
 
@@ -23,12 +26,12 @@ from prefetchd_client.batchfile import BatchFormatError, FieldSpec, map_batch
 from prefetchd_client.layout import JobPaths, parse_batch_name, trainer_state
 
 from . import control
-from .config import Config, content_hash
-from .errors import ConfigError, DataError, JobError
+from .config import Config, content_hash, plan_digest
+from .errors import ConfigError, DataError, JobError, UserError
 from .jobdir import JobDir
 from .plan import Plan
 from .producer import PRODUCER_SPEC, ProducerSpec, builtin_fields, plan_layout
-from .progress_watch import ProgressWatcher
+from .progress_watch import BadProgressFile, ProgressWatcher
 from .retire import RetiredBatches
 from .scheduler import Scheduler
 from .sizes import format_size
@@ -57,6 +60,16 @@ _RETIRED_CHECK_S = 0.05  # how often consumed batches still mapped by a client a
 _NO_SPACE_MIN_S, _NO_SPACE_MAX_S = 0.1, 2.0  # back-off range while the tmpfs is full
 _BAD_IN_A_ROW = 64  # unreadable samples in a row within a batch: the data, not a sample, is broken
 _BAD_RATE_MIN_SAMPLES = 1000  # judge the bad-sample rate only over this many samples
+# Batch names hold six digits of epoch (prefetchd_client.layout.batch_name): a position past
+# that is refused as outside the plan, never made into a task.
+_MAX_EPOCH = 10**6 - 1
+_REFUSALS_LOGGED = 10  # of each kind; then one line a minute with the count (the log is on the tmpfs)
+_REFUSAL_SUMMARY_S = 60.0
+_OUT_OF_DESCRIPTORS_S = 0.5  # pause after EMFILE/ENFILE: let peers' connections time out
+
+
+class OutsidePlan(control.BadMessage):
+    """A reported position that no batch of the plan has."""
 
 
 class DaemonStop(Exception):
@@ -74,6 +87,26 @@ class WorkerSlot:
     ready: bool = False
     task: tuple[int, int] | None = None  # (rank, linear index)
     last_heard: float = field(default_factory=time.monotonic)
+    # Liveness is progress: the heartbeat thread beats on while the sample loop is blocked in a
+    # call that releases the GIL (a read on a hung mount), so a busy worker must also finish samples.
+    samples_finished: int = 0  # the worker's count of sample attempts that ended, as last heard
+    progressed_at: float = field(default_factory=time.monotonic)  # the count last moved, or the task began
+    making: list | None = None  # [sample id, path] it last said it was making
+    hung: bool = False  # killed by kill_hung_workers: a hang of its task counts as a failed attempt
+
+    def note_heartbeat(self, msg: dict) -> None:
+        samples = msg.get("samples")
+        if samples != self.samples_finished:
+            self.samples_finished = samples
+            self.progressed_at = self.last_heard
+        self.making = msg.get("sample")
+
+    def making_text(self) -> str:
+        """' (last seen at sample 5, /data/x.jpg)', or '' when it did not say (a silent worker's
+        last beat may predate the sample it is stuck on)."""
+        if isinstance(self.making, list) and len(self.making) == 2:
+            return f" (last seen at sample {self.making[0]}, {self.making[1]})"
+        return ""
 
 
 class Master:
@@ -94,7 +127,12 @@ class Master:
         self._control: control.ControlServer | None = None  # the socket, its endpoint, the CURVE authenticator
         self._poller: zmq.Poller | None = None
         self._watcher = None
-        self.produced, self.deleted, self.bad_messages = 0, 0, 0
+        self.produced, self.deleted = 0, 0
+        # Peer input refused, by kind: "message" (control socket), "position" (outside the plan,
+        # from either intake), "progress_file" (planted or malformed), "trainer_lock" (planted).
+        self.refusals: collections.Counter = collections.Counter()
+        self._next_refusal_summary = 0.0
+        self._descriptor_warnings = 0
         self.samples_produced, self.bad_samples = 0, 0
         self.peak_bytes = 0
         self.retired = RetiredBatches(paths.retired_dir)
@@ -109,20 +147,29 @@ class Master:
     # -- start-up ------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Lock the job, index the data, boot workers, bind the socket, write the manifest."""
+        """Lock the job, index the data, boot workers, bind the socket, write the manifest.
+
+        A start that fails removes only what it made (JobDir.remove_what_this_start_made): a
+        killed daemon's warm buffer survives a typo in --data, and its log, kept, says why."""
+        self.jobdir.note_existing()
         self.jobdir.acquire()  # raises without touching anything if another daemon runs
         try:
             self._start_locked()
-        except BaseException:
+        except BaseException as exc:
+            _log_start_failure(exc)
             self._halt_workers()
             self._close_io()
-            self.jobdir.remove()
+            try:
+                self.jobdir.remove_what_this_start_made()
+            except OSError as cleanup:  # never hide why the start failed behind this
+                log.warning("could not remove what the failed start made: %s", cleanup)
             self.jobdir.release()
             raise
 
     def _start_locked(self) -> None:
         self.jobdir.prepare()
         _log_to(self.paths.log)
+        _raise_descriptor_limit()
         cfg = self.config
         log.info("starting job %s (pid %d): %s", self.paths.name, os.getpid(), json.dumps(cfg.to_json()))
         index, sizes = build_index(cfg.sources)
@@ -136,8 +183,10 @@ class Master:
             )
         self.source_names = [s["name"] for s in cfg.sources]
         self.produced_per_source = [0] * len(sizes)
-        self.content = cfg.content(len(index), index.fingerprint())
+        fingerprint = index.fingerprint()
+        self.content = cfg.content(len(index), fingerprint)
         self.config_hash = content_hash(self.content)
+        self.plan_digest = plan_digest(cfg, self.plan.to_json(), fingerprint)
         self.spec = ProducerSpec(
             job_dir=str(self.paths.dir),
             plan=self.plan.to_json(),
@@ -147,6 +196,7 @@ class Master:
             config_hash=self.config_hash,
             on_error=cfg.on_error,
             decoder=cfg.decoder,
+            plan_digest=self.plan_digest,
         )
         _write_json(self.paths.dir / PRODUCER_SPEC, self.spec.to_json())  # `prefetchd verify` remakes batches
         if cfg.pipeline is None:  # known now: refuse a bad buffer before booting anything
@@ -156,10 +206,12 @@ class Master:
         fields = self._await_first_worker()
         if cfg.pipeline is not None:
             self._set_layout(fields)
-        self.free_retired(sweep=True)  # a previous daemon's retired batches, still mapped or not
-        self.adopt_batches()
         self._control = control.bind_server(self._context, self.paths, cfg)  # ipc, or TCP by --endpoint
         self._socket = self._control.socket
+        # After the last step that can fail on a setting (the bind): adoption deletes the
+        # leftovers of another plan, which a start that then failed must not have cost.
+        self.free_retired(sweep=True)  # a previous daemon's retired batches, still mapped or not
+        self.adopt_batches()
         self._watcher = ProgressWatcher(str(self.paths.progress_dir))
         self._watcher.start()
         self._write_manifest()
@@ -191,6 +243,9 @@ class Master:
             log.info("kept %d batches from a previous daemon, deleted %d", kept, dropped)
 
     def _valid_leftover(self, entry: os.DirEntry) -> bool:
+        """A leftover is this plan's batch: its plan digest, not merely its config hash (which
+        leaves out world size, batch size and weights so resume states stay elastic); and this
+        layout's field table, which a [pipeline] callable decides beyond what the digest names."""
         name = parse_batch_name(entry.name)
         if name is None or not entry.is_file(follow_symlinks=False):
             return False
@@ -199,12 +254,15 @@ class Master:
             return False
         try:
             header, _ = map_batch(entry.path, pin=False)
-            config_hash = header["meta"].get("config_hash")
+            meta = header["meta"]
         except (OSError, BatchFormatError):
             return False
+        fields = [{k: f[k] for k in ("name", "dtype", "shape", "offset")} for f in header["fields"]]
         return (
             (header["epoch"], header["step"], header["rank"]) == name
-            and config_hash == self.config_hash
+            and meta.get("plan_digest") == self.plan_digest
+            and meta.get("config_hash") == self.config_hash
+            and fields == json.loads(self.layout.table_bytes)
             and entry.stat().st_size == self.layout.size
         )
 
@@ -259,6 +317,7 @@ class Master:
             "format_version": BATCH_FORMAT_VERSION,
             "job": self.paths.name,
             "config_hash": self.config_hash,
+            "plan_digest": self.plan_digest,  # every batch's meta carries it (verify mode checks)
             "config": self.content,
             "num_samples": self.plan.num_samples,
             "batches_per_epoch": self.plan.batches_per_epoch,
@@ -300,7 +359,9 @@ class Master:
             while slot.conn.poll(0):
                 msg = json.loads(slot.conn.recv_bytes())
                 slot.last_heard = time.monotonic()
-                if msg["op"] != "heartbeat":
+                if msg["op"] == "heartbeat":
+                    slot.note_heartbeat(msg)
+                else:
                     msgs.append(msg)
         except (EOFError, OSError):
             pass  # the worker is gone; reap_workers notices
@@ -321,16 +382,20 @@ class Master:
     def _on_batch_done(self, slot: WorkerSlot, msg: dict) -> None:
         rank, index = slot.task
         slot.task = None
-        self._attempts.pop((rank, index), None)
         if self._no_space_delay:
             log.info("space is back: producing again")
             self._no_space_delay = 0.0
-        self.produced += 1
-        self._produce_rate.add(time.monotonic())
         for i, n in enumerate(msg["sources"][: len(self.produced_per_source)]):
             self.produced_per_source[i] += n
-        self.samples_produced += self.config.batch_size
+        self._count_published(rank, index)
         self._count_bad_samples(msg)
+
+    def _count_published(self, rank: int, index: int) -> None:
+        """A batch is in ``batches/``: into the ledger as ready, or out through the delete path."""
+        self._attempts.pop((rank, index), None)
+        self.produced += 1
+        self._produce_rate.add(time.monotonic())
+        self.samples_produced += self.config.batch_size
         if not self.scheduler.task_finished(rank, index):
             self.delete_batch(rank, index)  # its rank moved on (or back) while it was made
 
@@ -390,18 +455,39 @@ class Master:
         self._no_space_until = now + self._no_space_delay
 
     def kill_hung_workers(self) -> None:
-        """A worker silent for --worker-timeout (stopped, or stuck holding the GIL) is killed;
-        reap_workers then replaces it and reissues its batch."""
+        """Liveness is progress. A worker silent for --worker-timeout (stopped, or stuck holding
+        the GIL) is killed, and so is a busy one that finished no sample in that time (blocked in
+        a call that releases the GIL: its heartbeat thread beats on). reap_workers then replaces
+        it and reissues its batch; a batch that hangs _TASK_ATTEMPTS times stops the daemon.
+
+        One sample that legitimately takes longer than --worker-timeout looks the same as a hung
+        one: its worker is killed each time and the daemon stops after _TASK_ATTEMPTS; the
+        message says to raise --worker-timeout above the slowest sample (not the whole batch).
+        """
         now = time.monotonic()
         for slot in self.workers:
-            if slot.process.is_alive() and now - slot.last_heard > self.config.worker_timeout:
-                log.warning(
-                    "worker pid %d silent for %.0f s (--worker-timeout); killing it",
-                    slot.process.pid,
-                    now - slot.last_heard,
-                )
-                slot.process.kill()
-                slot.process.join(5.0)
+            if not slot.process.is_alive():
+                continue
+            why = self._hang(slot, now)
+            if why is None:
+                continue
+            timeout = self.config.worker_timeout
+            log.warning("worker pid %d %s (--worker-timeout %g s); killing it", slot.process.pid, why, timeout)
+            slot.hung = True
+            slot.process.kill()
+            slot.process.join(5.0)
+
+    def _hang(self, slot: WorkerSlot, now: float) -> str | None:
+        """Why ``slot``'s worker counts as hung, or None while it lives and moves."""
+        timeout = self.config.worker_timeout
+        if now - slot.last_heard > timeout:
+            return f"silent for {now - slot.last_heard:.0f} s"
+        if slot.task is None or now - slot.progressed_at <= timeout:
+            return None
+        rank, index = slot.task
+        epoch, step = self.plan.unlinear(index)
+        stalled = now - slot.progressed_at
+        return f"finished no sample of batch e{epoch} s{step} r{rank} for {stalled:.0f} s{slot.making_text()}"
 
     def reap_workers(self) -> None:
         """Replace dead workers; their unfinished batch goes back to the scheduler."""
@@ -412,8 +498,9 @@ class Master:
             self.collect_results(slot)  # it may have reported before dying
             code = slot.process.exitcode
             slot.conn.close()
+            self.sweep_worker_files(slot.process.pid)
             if slot.task is not None:
-                self.scheduler.task_abandoned(*slot.task)
+                self._settle_unreported_task(slot)
             if not slot.ready and code is not None and code >= 0:
                 # It ended by itself before booting (a crash in an import, say): respawning would
                 # loop. Killed by a signal (code < 0) is a death like any other.
@@ -432,6 +519,55 @@ class Master:
             log.warning("worker pid %d died (exit code %s); starting a new one", slot.process.pid, code)
             self.workers[i] = self.spawn_worker()
             self._poller = None
+
+    def sweep_worker_files(self, pid: int) -> None:
+        """Remove a dead worker's temporary files (``tmp/<batch>.<pid>``). Its own ``finally``
+        never ran after a kill -9: an empty or whole batch outside the ledger and, once it had
+        linked the batch, a second name that keeps the batch's pages after it is deleted."""
+        suffix = f".{pid}"
+        with os.scandir(self.paths.tmp_dir) as entries:
+            for entry in entries:
+                if entry.name.endswith(suffix):
+                    try:
+                        os.unlink(entry.path)
+                    except FileNotFoundError:
+                        pass
+
+    def _settle_unreported_task(self, slot: WorkerSlot) -> None:
+        """The task of a worker that died without reporting it. If it had published the batch
+        (linked before the kill, "done" never sent), the batch counts as made: left out of the
+        ledger it would be outside the bound until made again. Otherwise it is missing again;
+        and if the worker was killed as hung, that is a failed attempt of the batch, so a
+        sample that blocks every time stops the daemon instead of looping forever."""
+        rank, index = slot.task
+        slot.task = None
+        epoch, step = self.plan.unlinear(index)
+        try:
+            published = stat.S_ISREG(os.lstat(self.paths.batch(epoch, step, rank)).st_mode)
+        except FileNotFoundError:
+            published = False
+        if published:
+            log.info(
+                "worker pid %d published batch e%d s%d r%d but died before reporting it; counting it as made",
+                slot.process.pid,
+                epoch,
+                step,
+                rank,
+            )
+            self._count_published(rank, index)
+            return
+        self.scheduler.task_abandoned(rank, index)
+        if not slot.hung:
+            return
+        self._attempts[(rank, index)] += 1
+        if self._attempts[(rank, index)] >= _TASK_ATTEMPTS:
+            raise DaemonStop(
+                f"batch e{epoch} s{step} r{rank} made no progress within --worker-timeout "
+                f"{self.config.worker_timeout:g} s, {_TASK_ATTEMPTS} times{slot.making_text()}: a sample of it "
+                "blocks (a read on a hung network mount?) or takes longer than --worker-timeout; fix the data "
+                f"source, or raise --worker-timeout above the slowest sample; see {self.paths.log}",
+                EXIT_TASK_ERROR,
+            )
 
     def assign_tasks(self) -> None:
         now = time.monotonic()
@@ -467,13 +603,27 @@ class Master:
                 continue  # dying worker: reap_workers replaces it
             self.scheduler.task_started(rank, index)
             slot.task = task
+            slot.progressed_at = time.monotonic()  # a new task: its first sample has the whole timeout
             self.peak_bytes = max(self.peak_bytes, self.used_bytes)
 
     # -- positions and garbage -----------------------------------------------------------
 
     def move_position(self, rank: int, epoch: int, step: int) -> None:
-        if not 0 <= rank < self.config.world_size or step > self.plan.batches_per_epoch:
-            raise control.BadMessage(f"position rank {rank} epoch {epoch} step {step} is outside the plan")
+        """Apply a rank's reported position; BadMessage (nothing changed) for one outside the plan.
+
+        Peers send it (a progress file, a control message), so every value is checked here,
+        before it can become a task: a huge epoch would reach a worker and fail there forever.
+        """
+        if not (
+            0 <= rank < self.config.world_size
+            and 0 <= epoch <= _MAX_EPOCH
+            and 0 <= step <= self.plan.batches_per_epoch
+        ):
+            raise OutsidePlan(
+                f"position rank {str(rank)[:24]} epoch {str(epoch)[:24]} step {str(step)[:24]} is outside the plan "
+                f"(ranks 0..{self.config.world_size - 1}, epochs 0..{_MAX_EPOCH}, "
+                f"steps 0..{self.plan.batches_per_epoch})"
+            )
         state = self.scheduler.ranks[rank]
         before = state.consumed
         for index in self.scheduler.move_position(rank, self.plan.linear(epoch, step)):
@@ -521,13 +671,16 @@ class Master:
         return self.scheduler.held * self.layout.size + self.retired.pinned_bytes
 
     def handle_control(self) -> None:
-        while True:
+        """Answer the control messages waiting, at most MAX_MESSAGES_PER_TURN (a flood cannot
+        starve the workers). A message that does not decode, validate or apply is counted and
+        dropped: nothing a peer sends ends the loop."""
+        for _ in range(control.MAX_MESSAGES_PER_TURN):
             try:
                 frames = self._socket.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
             if len(frames) != 2:
-                self.bad_messages += 1
+                self.refuse("message", f"{len(frames)} frames, expected one")
                 continue
             peer, data = frames
             try:
@@ -537,11 +690,27 @@ class Master:
                     continue
                 reply = self._answer(msg)
             except control.BadMessage as exc:
-                self.bad_messages += 1
-                if self.bad_messages <= 10:
-                    log.warning("dropped a control message: %s", exc)
+                self.refuse("position" if isinstance(exc, OutsidePlan) else "message", str(exc))
+                continue
+            except (DaemonStop, OSError):
+                raise  # our own stop, or out of descriptors: the loop handles those
+            except Exception:  # a bug on a peer's input: dropped like a bad message, logged in full
+                log.exception("internal error answering a control message; dropped it")
+                self.refuse("message", "internal error (logged above)")
                 continue
             self._socket.send_multipart([peer, json.dumps(reply).encode()])
+
+    def refuse(self, kind: str, why: str) -> None:
+        """Count a peer's input that was refused. The first few of each kind are logged with
+        the reason, then one line a minute with the counts: a peer repeating a bad file or
+        message cannot grow the log (it lives on the tmpfs, outside the bound)."""
+        self.refusals[kind] += 1
+        now = time.monotonic()
+        if self.refusals[kind] <= _REFUSALS_LOGGED:
+            log.warning("refused a %s: %s", kind.replace("_", " "), why)
+        elif now >= self._next_refusal_summary:
+            self._next_refusal_summary = now + _REFUSAL_SUMMARY_S
+            log.warning("refused so far: %s (last: %s)", dict(self.refusals), why)
 
     def _answer(self, msg: dict) -> dict:
         if msg["op"] == "status":
@@ -559,7 +728,13 @@ class Master:
             return
         self._next_trainer_check = now + _TRAINER_CHECK_S
         for rank in range(self.config.world_size):
-            state = trainer_state(self.paths, rank)
+            try:
+                state = trainer_state(self.paths, rank)
+            except OSError as exc:  # a symlink or FIFO planted under the name: it proves nothing
+                if exc.errno in (errno.EMFILE, errno.ENFILE):
+                    raise
+                self.refuse("trainer_lock", f"{self.paths.trainer_lock(rank)}: {exc.strerror}")
+                continue
             if state == "gone" and self.trainers[rank] == "alive":
                 log.info("the trainer of rank %d is gone (%s its window)", rank, self.config.on_trainer_exit)
                 if self.config.on_trainer_exit == "release":
@@ -569,13 +744,17 @@ class Master:
 
     def read_progress_files(self) -> None:
         for rank in self._watcher.drain():
-            position = self._watcher.read(rank)
+            try:
+                position = self._watcher.read(rank)
+            except BadProgressFile as exc:
+                self.refuse("progress_file", str(exc))
+                continue
             if position is None:
                 continue
             try:
                 self.move_position(rank, *position)
             except control.BadMessage as exc:
-                log.warning("ignored progress file of rank %d: %s", rank, exc)
+                self.refuse("position", f"progress file of rank {rank}: {exc}")
 
     def status(self) -> dict:
         return job_status(self)
@@ -603,18 +782,12 @@ class Master:
                     log.info("signal %d: stopping", self._signals.popleft())
                     self.stop_reason = DaemonStop("signal", EXIT_OK)
                     break
-                if self._poller is None:  # built again only when a worker was replaced
-                    self._poller = self._make_poller()
-                self._poller.poll(_LOOP_TICK_MS)
-                self.handle_control()
-                for slot in self.workers:
-                    self.collect_results(slot)
-                self.kill_hung_workers()
-                self.reap_workers()
-                self.read_progress_files()
-                self.check_trainers()
-                self.free_retired()
-                self.assign_tasks()
+                try:
+                    self.run_once()
+                except OSError as exc:
+                    if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                        raise
+                    self._wait_for_descriptors(exc)
         except DaemonStop as stop:
             self.stop_reason = stop
         except Exception as exc:  # a bug: log it fully, stop cleanly
@@ -622,6 +795,38 @@ class Master:
             self.stop_reason = DaemonStop(f"internal error: {exc!r}; see {self.paths.log}", 70)
         self.shutdown()
         return self.stop_reason.exit_code
+
+    def run_once(self) -> None:
+        """One turn of the loop: wait for something to happen (at most a tick), then act."""
+        if self._poller is None:  # built again only when a worker was replaced
+            self._poller = self._make_poller()
+        self._poller.poll(_LOOP_TICK_MS)
+        self.handle_control()
+        for slot in self.workers:
+            self.collect_results(slot)
+        self.kill_hung_workers()
+        self.reap_workers()
+        self.read_progress_files()
+        self.check_trainers()
+        self.free_retired()
+        self.assign_tasks()
+
+    def _wait_for_descriptors(self, exc: OSError) -> None:
+        """Out of file descriptors (peers holding connections open, say): back off and go on.
+
+        Every step of the loop is safe to repeat, so the turn that failed is simply tried
+        again; unauthenticated connections are closed by ZeroMQ's handshake timeout
+        (control.HANDSHAKE_TIMEOUT_MS), which gives the descriptors back.
+        """
+        self._descriptor_warnings += 1
+        if self._descriptor_warnings <= _REFUSALS_LOGGED or self._descriptor_warnings % 100 == 0:
+            log.warning(
+                "out of file descriptors (%s; %d times so far); pausing %.1f s",
+                exc.strerror,
+                self._descriptor_warnings,
+                _OUT_OF_DESCRIPTORS_S,
+            )
+        time.sleep(_OUT_OF_DESCRIPTORS_S)
 
     # -- stopping ------------------------------------------------------------------------
 
@@ -677,9 +882,37 @@ def _write_json(path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+def _raise_descriptor_limit() -> None:
+    """Raise the soft limit on open files to the hard one: peers' connections (each a
+    descriptor) must not run the master out of them at the common soft limit of 1,024."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            return
+        log.info("open-file limit raised from %d to %d", soft, hard)
+
+
+def _log_start_failure(exc: BaseException) -> None:
+    """Say in the job's log why the start failed (the log stays when the job folder was there
+    before; a trainer waiting on the job reads its last "stopped:" line); an unforeseen error
+    with its traceback. Nothing before the log is open: with no handler, logging would print
+    the traceback on a foreground terminal."""
+    if not log.handlers:
+        return
+    if isinstance(exc, UserError | DaemonStop):
+        log.error("stopped: start-up failed: %s", exc)
+    elif isinstance(exc, Exception):
+        log.error("start-up failed on an internal error", exc_info=exc)
+    else:
+        log.error("start-up interrupted (%s)", type(exc).__name__)
+
+
 def _log_to(path) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    handler = logging.StreamHandler(os.fdopen(fd, "a", buffering=1))
+    # backslashreplace: a line naming a file whose name is not UTF-8 must reach the log, not be lost
+    handler = logging.StreamHandler(os.fdopen(fd, "a", buffering=1, errors="backslashreplace"))
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO)

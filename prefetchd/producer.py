@@ -38,7 +38,7 @@ _ERROR_CHARS = 200
 # The header area of a batch file holds the field table and the meta object. It is sized so
 # that every sample of a batch can be recorded as replaced in the short form below (at most
 # 80 bytes of JSON); the full form (path, error) is kept while it fits, and always logged.
-_META_FIXED_BYTES = 256  # config hash, digest, the keys, "replaced_details"
+_META_FIXED_BYTES = 256  # config hash, plan digest, CRC, the keys, "replaced_details": ~150
 _REPLACED_BYTES_PER_SAMPLE = 96
 _SHORT_REPLACED_KEYS = ("slot", "index", "replacement")
 
@@ -50,6 +50,22 @@ class FillReport:
     per_source: list[int]
     replaced: list[dict] = field(default_factory=list)  # {"slot", "index", "path", "error", "replacement"}
     longest_bad_run: int = 0
+
+
+@dataclass
+class SampleProgress:
+    """How far the producer's sample loop is, read by the worker's heartbeat thread.
+
+    A heartbeat proves that the process lives, not that its task moves: a read on a hung
+    network mount blocks in a call that releases the GIL, and the heartbeat thread beats on.
+    So every beat carries ``finished`` (sample attempts that ended, made or found unreadable),
+    and the master kills a busy worker whose count has not moved for --worker-timeout. A
+    sample that legitimately takes longer than that is indistinguishable from a hung one.
+    Written by the sample loop only; the reader needs no lock (single attribute stores).
+    """
+
+    finished: int = 0
+    current: tuple[int, str] | None = None  # (sample id, path) being made: named when it hangs
 
 
 @dataclass(frozen=True)
@@ -64,6 +80,7 @@ class ProducerSpec:
     config_hash: str
     on_error: str = "replace"  # or "fail"
     decoder: str = "pillow"  # or "simplejpeg" (prefetchd.fastdecode)
+    plan_digest: str = ""  # prefetchd.config.plan_digest; "" in a producer.json of an older daemon
 
     def to_json(self) -> dict:
         return self.__dict__.copy()
@@ -94,10 +111,11 @@ def load_callable(ref: str):
 
 
 class BatchProducer:
-    def __init__(self, spec: ProducerSpec):
+    def __init__(self, spec: ProducerSpec, progress: SampleProgress | None = None):
         # Pillow only warns between MAX_IMAGE_PIXELS and twice that: make it a bad sample.
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         self.spec = spec
+        self.progress = SampleProgress() if progress is None else progress
         self.paths = JobPaths(Path(spec.job_dir))
         self.plan = Plan.from_json(spec.plan)
         self.index = SampleIndex.load(self.paths.dir / "index")
@@ -164,14 +182,19 @@ class BatchProducer:
         return report
 
     def _make_sample(self, arrays: dict[str, np.ndarray], slot: int, epoch: int, sid: int, pass_: int) -> None:
-        rng = self.plan.sample_rng(epoch, sid, pass_)
-        if self._image is not None:
-            self._image.apply(self.index.path(sid), rng, arrays["image"][slot])
-        else:
-            for key, value in self._run_user_fn(sid, rng).items():
-                arrays[key][slot] = value
-        arrays["index"][slot] = sid
-        arrays["label"][slot] = self.index.labels[sid]
+        path = self.index.path(sid)
+        self.progress.current = (sid, path)
+        try:
+            rng = self.plan.sample_rng(epoch, sid, pass_)
+            if self._image is not None:
+                self._image.apply(path, rng, arrays["image"][slot])
+            else:
+                for key, value in self._run_user_fn(sid, rng).items():
+                    arrays[key][slot] = value
+            arrays["index"][slot] = sid
+            arrays["label"][slot] = self.index.labels[sid]
+        finally:
+            self.progress.finished += 1  # an unreadable sample is progress too: the loop moves on
 
     def _replace(self, arrays: dict[str, np.ndarray], slot: int, epoch: int, sid: int, pass_: int) -> int:
         for attempt in range(_REPLACEMENT_ATTEMPTS):
@@ -189,6 +212,7 @@ class BatchProducer:
     def meta(self, arrays: dict[str, np.ndarray], report: FillReport) -> dict:
         meta = {
             "config_hash": self.spec.config_hash,
+            "plan_digest": self.spec.plan_digest,  # a restarted daemon adopts only batches of its own plan
             "crc32": content_digest(arrays, self.layout.fields),
             "sources": dict(zip(self.spec.source_names, report.per_source)),
             "replaced": report.replaced,
@@ -224,6 +248,7 @@ class BatchProducer:
             except FileExistsError:
                 return False, report
         finally:
+            self.progress.current = None
             try:
                 writer.close()
             finally:

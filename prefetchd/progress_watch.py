@@ -9,11 +9,18 @@ from __future__ import annotations
 
 import os
 import queue
+import stat
 
 from watchdog.events import FileSystemEventHandler
 from watchdog.observers import Observer
 
 from prefetchd_client.layout import parse_progress, parse_progress_name
+
+MAX_PROGRESS_BYTES = 64  # "<epoch> <step>\n" needs at most 30
+
+
+class BadProgressFile(ValueError):
+    """A progress file that is planted, oversized or not "<epoch> <step>"."""
 
 
 class _QueueRank(FileSystemEventHandler):
@@ -52,12 +59,32 @@ class ProgressWatcher:
                 return ranks
 
     def read(self, rank: int) -> tuple[int, int] | None:
-        """The position in rank's file, or None if it vanished or is malformed."""
+        """The position in rank's file; None if it vanished; BadProgressFile if it is not a
+        small regular file holding "<epoch> <step>".
+
+        The folder is peer input: a symlink or a FIFO planted under a rank's name must not
+        block the master (O_NONBLOCK) or lead it anywhere (O_NOFOLLOW).
+        """
+        path = os.path.join(self.folder, f"rank-{rank}")
         try:
-            with open(os.path.join(self.folder, f"rank-{rank}"), "rb") as f:
-                return parse_progress(f.read(64).decode("ascii", "replace"))
-        except (OSError, ValueError):
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
             return None
+        except OSError as exc:  # ELOOP for a symlink, EMFILE, ...
+            raise BadProgressFile(f"{path}: cannot open ({os.strerror(exc.errno)})") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise BadProgressFile(f"{path}: not a regular file")
+            data = os.read(fd, MAX_PROGRESS_BYTES + 1)
+        finally:
+            os.close(fd)
+        if len(data) > MAX_PROGRESS_BYTES:
+            raise BadProgressFile(f"{path}: longer than {MAX_PROGRESS_BYTES} bytes")
+        try:
+            return parse_progress(data.decode("ascii"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise BadProgressFile(f"{path}: {exc}") from None
 
     def stop(self) -> None:
         self._observer.stop()

@@ -22,11 +22,15 @@ class Rates:
 
     def add(self, now: float, n: int = 1) -> None:
         self.events.append((now, n))
+        self._forget_before(now - _RATE_WINDOW_S)  # bounded by the window, whether or not status is asked
 
     def per_second(self, now: float) -> float:
-        while self.events and self.events[0][0] < now - _RATE_WINDOW_S:
-            self.events.popleft()
+        self._forget_before(now - _RATE_WINDOW_S)
         return sum(n for _, n in self.events) / _RATE_WINDOW_S
+
+    def _forget_before(self, t: float) -> None:
+        while self.events and self.events[0][0] < t:
+            self.events.popleft()
 
 
 def job_status(m) -> dict:
@@ -93,7 +97,8 @@ def job_status(m) -> dict:
             "produced": m.produced,
             "deleted": m.deleted,
             "bad_samples": m.bad_samples,
-            "bad_messages": m.bad_messages,
+            "bad_messages": m.refusals["message"],
+            "refused": dict(m.refusals),  # peer input dropped, by kind (prefetchd.master.Master.refuse)
         },
     }
 

@@ -1,7 +1,10 @@
 """``prefetchd verify``: remake one batch in this process and compare it with the published one.
 
 Determinism made checkable: the batch's content digest (``meta.crc32``) and its bytes
-must equal what the plan yields here, whatever worker made it and however often.
+must equal what the plan yields here, whatever worker made it and however often. Its plan
+digest (``meta.plan_digest``) must be this job's too: a batch made by another plan (another
+world size, batch size, weights, transforms, decoder...) differs even where its pixels could
+pass, and the result says so with both digests.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ def verify_batch(paths: JobPaths, epoch: int, step: int, rank: int) -> dict:
     try:
         header, published = map_batch(path)
         published_crc32 = header["meta"].get("crc32")
+        published_plan = header["meta"].get("plan_digest")
     except FileNotFoundError:
         raise JobError(
             f"batch epoch {epoch} step {step} rank {rank} is not in the buffer (consumed, or not produced yet); "
@@ -41,10 +45,21 @@ def verify_batch(paths: JobPaths, epoch: int, step: int, rank: int) -> dict:
         raise JobError(f"{path} is not a valid batch file ({exc}); the daemon never publishes one") from None
     meta, regenerated = BatchProducer(spec).regenerate(epoch, step, rank)
     differing = sorted(k for k in regenerated if not np.array_equal(regenerated[k], published.get(k)))
+    other_plan = _other_plan(published_plan, spec.plan_digest)
     return {
         "batch": path.name,
         "published_crc32": published_crc32,
         "regenerated_crc32": meta["crc32"],
         "differing_fields": differing,
-        "identical": not differing and published_crc32 == meta["crc32"],
+        "published_plan_digest": published_plan,
+        "plan_digest": spec.plan_digest,
+        "reason": other_plan,
+        "identical": not differing and published_crc32 == meta["crc32"] and other_plan is None,
     }
+
+
+def _other_plan(published: object, ours: str) -> str | None:
+    """Why a batch is not of this job's plan, or None when it is (or the job predates digests)."""
+    if not ours or published == ours:
+        return None
+    return f"made by another plan: its plan digest {published!r:.40}, this job's {ours!r}"

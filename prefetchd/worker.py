@@ -5,7 +5,9 @@ small JSON spec. Messages on the pipe are JSON in both directions:
 
     master -> worker   {"op": "produce", "epoch": E, "step": K, "rank": R}  |  {"op": "stop"}
     worker -> master   {"op": "ready", "fields": [...]}  |  {"op": "boot_failed", "error": "..."}
-                       {"op": "heartbeat"}  (every second, from a thread)
+                       {"op": "heartbeat", "samples": n, "sample": [id, path] | null}  (every second,
+                        from a thread: n counts the sample attempts that ended, so the master can
+                        tell a task that moves from one blocked in a call that releases the GIL)
                        {"op": "done", "epoch", "step", "rank", "published": bool, "sources": [n, ...],
                         "replaced": [{"slot", "index", "path", "error", "replacement"}], "longest_bad_run": n}
                        {"op": "failed", "epoch", "step", "rank", "error": "...", "sample": bool, "nospace": bool}
@@ -21,7 +23,7 @@ import threading
 import time
 import traceback
 
-from .producer import BatchProducer, ProducerSpec, SampleError
+from .producer import BatchProducer, ProducerSpec, SampleError, SampleProgress
 
 _PARENT_CHECK_S = 1.0
 
@@ -36,14 +38,24 @@ def _send(conn, msg: dict) -> None:
         conn.send_bytes(data)
 
 
-def _send_heartbeats(conn) -> None:
-    """A stopped (SIGSTOP) or wedged worker stops beating: the master kills and replaces it."""
+def _send_heartbeats(conn, progress: SampleProgress) -> None:
+    """A stopped (SIGSTOP) worker, or one stuck holding the GIL, stops beating; one blocked in a
+    call that releases the GIL beats on, but its sample count stops moving. Either way the
+    master kills and replaces it."""
     while True:
         time.sleep(_HEARTBEAT_S)
+        current = progress.current
+        sample = None if current is None else [current[0], _printable(current[1])]
+        beat = {"op": "heartbeat", "samples": progress.finished, "sample": sample}
         try:
-            _send(conn, {"op": "heartbeat"})
+            _send(conn, beat)
         except OSError:
             return
+
+
+def _printable(path: str) -> str:
+    """A file name that is not UTF-8 (kept by os.fsdecode as surrogates) would break the log line."""
+    return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def worker_main(spec_json: str, conn, nice: int = 0) -> None:
@@ -54,9 +66,11 @@ def worker_main(spec_json: str, conn, nice: int = 0) -> None:
     # core at once instead of queueing behind augmentation for a scheduler tick or two.
     os.nice(nice)
     parent = os.getppid()
-    threading.Thread(target=_send_heartbeats, args=(conn,), daemon=True, name="heartbeat").start()
+    progress = SampleProgress()
+    # Beating from before the boot: a slow import or first sample is not mistaken for a hang.
+    threading.Thread(target=_send_heartbeats, args=(conn, progress), daemon=True, name="heartbeat").start()
     try:
-        producer = BatchProducer(ProducerSpec(**json.loads(spec_json)))
+        producer = BatchProducer(ProducerSpec(**json.loads(spec_json)), progress)
     except Exception:
         _send(conn, {"op": "boot_failed", "error": traceback.format_exc(limit=-4)})
         return

@@ -91,7 +91,8 @@ def test_data_flag_replaces_the_source_root(tmp_path):
         ({"source": {"kind": "image_folder"}}, {}, r"write \[\[source\]\]"),
         ({"source": [{"kind": "s3"}]}, {}, "kind must be one of file_list, image_folder"),
         ({"source": [{"kind": "image_folder"}]}, {}, "needs root"),
-        ({"source": [{"kind": "image_folder", "root": "/d", "weight": -1}]}, {}, "weight must be a positive number"),
+        ({"source": [{"kind": "image_folder", "root": "/d", "weight": -1}]}, {}, "weight must be a positive finite"),
+        ({"source": [{"kind": "image_folder", "root": "/d", "weight": float("inf")}]}, {}, "positive finite number"),
         ({"source": [{"kind": "image_folder", "root": "/d", "wieght": 1}]}, {}, "unknown key 'wieght'"),
         (
             {"source": [{"kind": "image_folder", "root": "/a", "weight": 1}, {"kind": "image_folder", "root": "/b"}]},

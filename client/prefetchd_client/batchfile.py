@@ -35,10 +35,24 @@ The parser checks, before it touches any field, and raises BatchFormatError othe
 file at least 48 bytes; magic; version; reserved word 0; 2 <= T, 2 <= M, T + M <=
 MAX_HEADER_BYTES and 48 + T + M <= file size; epoch/step/rank below 2**63; the table is a
 UTF-8 JSON list of 1..MAX_FIELDS fields, each with a unique name (1-64 chars), a dtype from
-ALLOWED_DTYPES, a shape of at most MAX_DIMS non-negative integers, an integer offset that is
-a multiple of FIELD_ALIGN, not inside the header, and an extent (offset + size) within the
-file; extents do not overlap. The meta object, when first read (``header["meta"]``), must be
-a UTF-8 JSON object, else the same error.
+ALLOWED_DTYPES, a shape of at most MAX_DIMS non-negative integers whose product, zeros left
+out, times the item size is within the file size (so a shape like [0, 2**70], empty but past
+numpy's limits, is refused too), an integer offset that is a multiple of FIELD_ALIGN, not
+inside the header, and an extent (offset + size) within the file; extents do not overlap.
+JSON nested too deep for the parser is the same error. The meta object, when first read
+(``header["meta"]``), must be a UTF-8 JSON object, else the same error. ``map_batch`` opens
+the file without following a symlink and without blocking (a FIFO named like a batch would
+block ``open`` forever), and maps only a regular file.
+
+What the checks cannot stop: a process of the same user that truncates a batch file while a
+trainer maps it. The trainer's next touch of a page past the new end gets SIGBUS, which kills
+it. A tmpfs file cannot be sealed against shrinking (F_ADD_SEALS is for memfd files only: on a
+file opened by name it fails with EPERM), and the signal cannot be caught usefully: it arrives
+inside numpy's or torch's C code at the faulting load, and a Python handler runs only between
+bytecodes, after that code returns, which it never does. The only sure protection is copying
+every batch out of the file before use, the cost the zero-copy mapping exists to avoid. The
+job folder is 0700 and the files 0600, so no other user can do this; the daemon itself never
+truncates a published batch (it retires and unlinks it, which leaves a mapping intact).
 """
 
 from __future__ import annotations
@@ -49,6 +63,7 @@ import json
 import math
 import mmap
 import os
+import stat
 import struct
 import zlib
 from dataclasses import dataclass
@@ -246,8 +261,8 @@ class BatchHeader(dict):
             raise KeyError(key)
         try:
             meta = json.loads(self._meta_bytes.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise _fail(f"meta is not UTF-8 JSON ({exc})") from None
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise _fail(f"meta is not UTF-8 JSON ({type(exc).__name__}: {exc})") from None
         if type(meta) is not dict:
             raise _fail("meta must be an object")
         self["meta"] = meta
@@ -282,8 +297,8 @@ def parse_header(buf, size: int) -> BatchHeader:
         return BatchHeader(epoch, step, rank, memo.fields, meta)
     try:
         fields = json.loads(table.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise _fail(f"field table is not UTF-8 JSON ({exc})") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # RecursionError: [[[[...
+        raise _fail(f"field table is not UTF-8 JSON ({type(exc).__name__}: {exc})") from None
     _check_fields(fields, data_floor, size)
     _remember_fields(table, fields)
     return BatchHeader(epoch, step, rank, fields, meta)
@@ -306,9 +321,7 @@ def _check_fields(fields, data_floor: int, size: int) -> None:
             raise _fail(f"field {name!r}: dtype {dtype!r:.40} not allowed")
         if type(shape) is not list or len(shape) > MAX_DIMS:
             raise _fail(f"field {name!r}: shape must be a list of at most {MAX_DIMS} dimensions")
-        nbytes = itemsize
-        for d in shape:
-            nbytes *= _nonneg_int(d, f"field {name!r} dimension")
+        nbytes = _field_nbytes(name, itemsize, shape, size)
         _nonneg_int(offset, f"field {name!r} offset")
         if offset % FIELD_ALIGN or offset < data_floor:
             raise _fail(f"field {name!r}: offset {offset} misaligned or inside the header")
@@ -320,6 +333,19 @@ def _check_fields(fields, data_floor: int, size: int) -> None:
     for (_, end, a), (start, _, b) in zip(extents, extents[1:]):
         if start < end:
             raise _fail(f"fields {a!r} and {b!r} overlap")
+
+
+def _field_nbytes(name: str, itemsize: int, shape: list, size: int) -> int:
+    """The bytes of a field of ``shape``. Every dimension, and their product with zeros left out,
+    must fit the file: numpy refuses (ValueError) a shape such as [0, 2**70] although it holds
+    no byte, and a reader must raise only BatchFormatError."""
+    nbytes = bound = itemsize
+    for d in shape:
+        nbytes *= _nonneg_int(d, f"field {name!r} dimension")
+        bound *= d or 1
+        if bound > size:
+            raise _fail(f"field {name!r}: shape {shape!r:.80} runs past the end of the {size}-byte file")
+    return nbytes
 
 
 @dataclass(frozen=True)
@@ -344,6 +370,28 @@ def _remember_fields(table: bytes, checked: list) -> None:
     )
 
 
+def _open_regular_file(path: str | os.PathLike) -> int:
+    """A descriptor of the batch file at ``path``, which must be a regular file, not a symlink.
+
+    Anyone who can write the job folder can plant a name: a FIFO would block a plain open()
+    until a writer comes (forever, in the read-ahead thread, after the trainer's BatchTimeout),
+    so O_NONBLOCK; a symlink could point anywhere, so O_NOFOLLOW. FileNotFoundError as for a
+    missing file; BatchFormatError for anything else that is not a regular file.
+    """
+    # os.open, not open(): no buffered file object on a path that runs for every batch.
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _fail(f"{path} is a symbolic link, not a batch; something other than prefetchd made it") from None
+        raise
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise _fail(f"{path} is not a regular file (mode {mode:o}); something other than prefetchd made it")
+    return fd
+
+
 def map_batch(
     path: str | os.PathLike, *, pin: bool = True, unmap_in_background: bool = False
 ) -> tuple[dict, dict[str, np.ndarray]]:
@@ -356,13 +404,13 @@ def map_batch(
     a duplicate of the descriptor, and a flock belongs to the open file, so the lock goes
     when the last array over this map is freed). The daemon tries an exclusive lock before
     it frees a consumed batch: a file still mapped keeps counting against the byte bound.
-    A file the daemon has already retired raises FileNotFoundError, like a missing one.
+    A file the daemon has already retired raises FileNotFoundError, like a missing one; a
+    symlink, FIFO or anything else but a regular file raises BatchFormatError, at once.
 
     ``unmap_in_background``: once the arrays are freed, the mapping is closed on a background
     thread (prefetchd_client.unmapper), not in the thread that dropped the last of them.
     """
-    # os.open, not open(): no buffered file object on a path that runs for every batch.
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = _open_regular_file(path)
     try:
         if pin:
             try:

@@ -26,5 +26,10 @@ class BatchFormatError(PrefetchError, ValueError):
     """A batch file is not a valid prefetchd batch (see prefetchd_client.batchfile)."""
 
 
+class UnsafeFolder(PrefetchError):
+    """A job root or job folder this user must not trust: a symlink, not a folder, another
+    user's, or writable by others. Nothing in it was read, signalled or deleted."""
+
+
 class AuthError(PrefetchError):
     """The job requires CURVE and this client's key is missing, unusable or not authorised."""

@@ -15,6 +15,10 @@ environment finds a job by its name alone::
       trainers/rank-<r>  flock held (shared) by every live loader of rank r
 
 root is the ``root`` argument, else ``$PREFETCHD_ROOT``, else ``/dev/shm/prefetchd-<uid>``.
+
+Every entry point (daemon, client, CLI) opens the root and the job folder with ``open_job``
+(or ``open_private_dir``): a symlink, a folder of another user's or one that others can
+write is refused (UnsafeFolder) before anything in it is read, signalled or deleted.
 """
 
 from __future__ import annotations
@@ -24,8 +28,13 @@ import fcntl
 import json
 import os
 import re
+import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
+
+from .errors import UnsafeFolder
+from .transport import parse_tcp_endpoint
 
 ROOT_ENV = "PREFETCHD_ROOT"
 MANIFEST = "manifest.json"
@@ -41,6 +50,13 @@ RETIRED_DIR = "retired"
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _BATCH_NAME = re.compile(r"^e(\d{6})-s(\d{8})-r(\d{4})\.batch$")
 _PROGRESS_NAME = re.compile(r"^rank-(\d{1,4})$")
+# A folder is opened as a folder, never through a symlink: O_NOFOLLOW fails on one (ENOTDIR
+# with O_DIRECTORY, ELOOP without), so what was checked is what is used afterwards.
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a FIFO never blocks open()
+_WRITABLE_BY_OTHERS = 0o022
+_MAX_MANIFEST_BYTES = 1 << 20
+_CURVE_KEY_CHARS = 40  # a CURVE public key in Z85 text
 
 
 def default_root() -> Path:
@@ -125,6 +141,107 @@ class JobPaths:
         return self.progress_dir / f"rank-{rank}"
 
 
+# -- whose folder: the one check every entry point runs ---------------------------------------
+#
+# /dev/shm is writable by every user and the default root's name is predictable: another
+# user can create <root> or <root>/<job> first, or plant a symlink there, before this user's
+# first job. Whatever is found there is trusted only if it is a real folder, this user's, and
+# writable by nobody else; then nobody else can add, swap or remove what is inside it either.
+
+
+def open_private_dir(path: Path, what: str, *, dir_fd: int | None = None) -> int:
+    """A descriptor of the folder ``path``, opened without following a symlink and proven
+    this user's own and writable by nobody else; UnsafeFolder otherwise, FileNotFoundError
+    when it does not exist. With ``dir_fd`` only ``path.name`` is opened, relative to it.
+
+    Work relative to the descriptor (``dir_fd=``) afterwards: a check of a path is worth
+    nothing once the path can name something else.
+    """
+    try:
+        fd = os.open(path.name if dir_fd is not None else path, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise
+        try:
+            st = os.lstat(path.name if dir_fd is not None else path, dir_fd=dir_fd)
+        except OSError:  # gone again, or a component above it is not a folder
+            raise UnsafeFolder(f"{what} {path} is not a folder; {_fix_for(path, what, None)}") from None
+        raise UnsafeFolder(_refusal(path, what, st)) from None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != os.getuid() or st.st_mode & _WRITABLE_BY_OTHERS:
+            raise UnsafeFolder(_refusal(path, what, st))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _refusal(path: Path, what: str, st: os.stat_result) -> str:
+    if stat.S_ISLNK(st.st_mode):
+        problem = f"is a symlink (of uid {st.st_uid})"
+    elif not stat.S_ISDIR(st.st_mode):
+        problem = "is not a folder"
+    elif st.st_uid != os.getuid():
+        problem = f"belongs to uid {st.st_uid}, not you (uid {os.getuid()})"
+    else:
+        mode = stat.S_IMODE(st.st_mode)
+        return f"{what} {path} is writable by others (mode {mode:o}); run chmod go-w {path}"
+    return f"{what} {path} {problem}: nothing in it is used; {_fix_for(path, what, st)}"
+
+
+def _fix_for(path: Path, what: str, st: os.stat_result | None) -> str:
+    """What this user can do: another user's entry in the sticky /dev/shm cannot be removed
+    by anyone but its owner or an administrator, so "remove it" would be advice that fails."""
+    if st is not None and st.st_uid == os.getuid() and what == "job root":
+        return f"remove it (rm {path}) or use another root: --root DIR or {ROOT_ENV}=DIR"
+    if st is not None and st.st_uid == os.getuid():
+        return f"remove it (rm {path}) or use another job name"
+    return (
+        f"use a root folder of your own, the same for the daemon and its trainers: `prefetchd ... --root DIR` "
+        f"or {ROOT_ENV}=DIR (PrefetchLoader(root=DIR)), or ask an administrator to remove {path}"
+    )
+
+
+@dataclass
+class OpenJob:
+    """A job's root and job folder, opened without following symlinks and checked
+    (``open_job``): read, probe and delete relative to ``root_fd`` and ``dir_fd``."""
+
+    paths: JobPaths
+    root_fd: int
+    dir_fd: int
+
+    def remove(self) -> None:
+        """Delete the job folder, relative to the checked root: rmtree with ``dir_fd`` never
+        follows a symlink, so nothing outside the folder that was checked can be deleted."""
+        shutil.rmtree(self.paths.name, ignore_errors=True, dir_fd=self.root_fd)
+
+    def close(self) -> None:
+        for fd in (self.dir_fd, self.root_fd):
+            if fd >= 0:
+                os.close(fd)
+        self.root_fd = self.dir_fd = -1
+
+    def __enter__(self) -> OpenJob:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_job(paths: JobPaths) -> OpenJob:
+    """The job's root and folder, checked (see ``open_private_dir``): UnsafeFolder when either
+    is not this user's private folder, FileNotFoundError when either does not exist."""
+    root_fd = open_private_dir(paths.dir.parent, "job root")
+    try:
+        dir_fd = open_private_dir(paths.dir, "job folder", dir_fd=root_fd)
+    except BaseException:
+        os.close(root_fd)
+        raise
+    return OpenJob(paths, root_fd, dir_fd)
+
+
 def batch_name(epoch: int, step: int, rank: int) -> str:
     return f"e{epoch:06d}-s{step:08d}-r{rank:04d}.batch"
 
@@ -159,17 +276,25 @@ def write_progress(path: Path, epoch: int, step: int) -> None:
     os.replace(tmp, path)
 
 
-def daemon_alive(paths: JobPaths) -> bool:
+def daemon_alive(paths: JobPaths, *, dir_fd: int | None = None) -> bool:
     """True while some process holds the job's lock, i.e. its daemon runs.
 
     The daemon holds an exclusive flock for its whole life; the kernel drops it when the
     process dies, however it dies, so a shared non-blocking probe tells live from dead.
+    With ``dir_fd`` (``OpenJob.dir_fd``) the lock is probed in the folder that was checked.
+    A symlink or FIFO in its place is no daemon's lock: the daemon opens it with O_NOFOLLOW.
     """
     try:
-        fd = os.open(paths.lock, os.O_RDONLY)
+        fd = os.open(LOCK if dir_fd is not None else paths.lock, _FILE_FLAGS, dir_fd=dir_fd)
     except FileNotFoundError:
         return False
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return False
+        raise
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except OSError as exc:
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
@@ -180,6 +305,58 @@ def daemon_alive(paths: JobPaths) -> bool:
         return False
     finally:
         os.close(fd)
+
+
+def lock_holder(job: OpenJob) -> int | None:
+    """The pid of the process that holds the job's exclusive lock, proven; else None.
+
+    Proven twice, from the kernel's side, never from a file's word (a manifest can name any
+    pid): /proc/locks lists a FLOCK WRITE lock on the lock file's device and inode held by
+    that pid, and that process has the lock file open (/proc/<pid>/fd; a flock's pid is the
+    one that took it, which could have died with a child still holding it, and its pid been
+    reused since). None when the lock is free or its holder cannot be proven (another pid
+    namespace, another user's process).
+    """
+    try:
+        fd = os.open(LOCK, _FILE_FLAGS, dir_fd=job.dir_fd)
+    except OSError:
+        return None
+    try:
+        lock = os.fstat(fd)
+    finally:
+        os.close(fd)
+    if not stat.S_ISREG(lock.st_mode):
+        return None
+    # "1: FLOCK  ADVISORY  WRITE 5828 00:1b:2 0 EOF"; a waiter's line has "->" after "1:".
+    key = f"{os.major(lock.st_dev):02x}:{os.minor(lock.st_dev):02x}:{lock.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for fields in map(str.split, lines):
+        if len(fields) >= 6 and fields[1:4] == ["FLOCK", "ADVISORY", "WRITE"] and fields[5] == key:
+            pid = int(fields[4]) if fields[4].isdigit() else 0
+            if pid > 0 and _has_open(pid, lock):
+                return pid
+    return None
+
+
+def _has_open(pid: int, target: os.stat_result) -> bool:
+    """Whether process ``pid`` holds a descriptor of the file ``target``."""
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        names = os.listdir(fd_dir)
+    except OSError:  # gone, or not ours to look at
+        return False
+    for name in names:
+        try:
+            st = os.stat(f"{fd_dir}/{name}")
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (target.st_dev, target.st_ino):
+            return True
+    return False
 
 
 def hold_trainer_lock(paths: JobPaths, rank: int) -> int | None:
@@ -198,11 +375,15 @@ def hold_trainer_lock(paths: JobPaths, rank: int) -> int | None:
 
 def trainer_state(paths: JobPaths, rank: int) -> str:
     """ "alive" (some loader holds the rank's lock), "gone" (one did, none does) or "never"."""
+    # O_NONBLOCK: a FIFO planted under the name must not block the daemon in open();
+    # only a regular file can be a trainer's lock (a symlink fails with ELOOP: OSError).
     try:
-        fd = os.open(paths.trainer_lock(rank), os.O_RDONLY | os.O_NOFOLLOW)
+        fd = os.open(paths.trainer_lock(rank), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return "never"
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(paths.trainer_lock(rank)))
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
@@ -214,11 +395,79 @@ def trainer_state(paths: JobPaths, rank: int) -> str:
         os.close(fd)  # closing drops our probe's lock too
 
 
-def read_manifest(paths: JobPaths) -> dict:
-    """The manifest as a dict; FileNotFoundError when the job is not serving."""
-    with open(paths.manifest, "rb") as f:
-        data = f.read(1 << 20)
-    manifest = json.loads(data)
+def read_manifest(paths: JobPaths, *, dir_fd: int | None = None) -> dict:
+    """The manifest as a dict; FileNotFoundError when the job is not serving, ValueError for
+    anything that is not a regular file holding one JSON object (deep nesting included).
+
+    With ``dir_fd`` (``OpenJob.dir_fd``) it is read in the folder that was checked. Its
+    values are not checked here: ``check_manifest`` does, for those who use them.
+    """
+    try:
+        fd = os.open(MANIFEST if dir_fd is not None else paths.manifest, _FILE_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError(f"{paths.manifest} is a symlink, which no daemon writes") from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{paths.manifest} is not a regular file")
+        data = f.read(_MAX_MANIFEST_BYTES + 1)
+    if len(data) > _MAX_MANIFEST_BYTES:
+        raise ValueError(f"{paths.manifest} is larger than {_MAX_MANIFEST_BYTES} bytes")
+    try:
+        manifest = json.loads(data)
+    except (ValueError, RecursionError) as exc:  # RecursionError: a few thousand nested '['
+        raise ValueError(f"{paths.manifest} is not valid JSON ({type(exc).__name__})") from None
     if not isinstance(manifest, dict):
         raise ValueError(f"{paths.manifest} is not a JSON object")
     return manifest
+
+
+def _positive_int(value) -> bool:
+    return type(value) is int and value > 0
+
+
+# What a client reads from a manifest, and what each value must be.
+_MANIFEST_VALUES = {
+    "world_size": (_positive_int, "a positive integer"),
+    "batch_size": (_positive_int, "a positive integer"),
+    "global_batch": (_positive_int, "a positive integer"),
+    "batches_per_epoch": (_positive_int, "a positive integer"),
+    "pid": (_positive_int, "a positive integer"),
+    "config_hash": (lambda v: isinstance(v, str), "a string"),
+    "config": (lambda v: isinstance(v, dict), "an object"),
+}
+
+
+def check_manifest(paths: JobPaths, manifest: dict) -> dict:
+    """``manifest`` if every value a client uses has its type, its endpoint is one this job
+    can have and its CURVE key is a key; ValueError naming the first that is not."""
+    for key, (valid, kind) in _MANIFEST_VALUES.items():
+        if not valid(manifest.get(key)):
+            raise ValueError(f"{paths.manifest}: {key!r} must be {kind}, found {manifest.get(key)!r:.60}")
+    if not valid_endpoint(paths, manifest.get("endpoint")):
+        raise ValueError(
+            f"{paths.manifest}: 'endpoint' must be {paths.endpoint} or tcp://HOST:PORT, "
+            f"found {manifest.get('endpoint')!r:.80}"
+        )
+    if not valid_curve_key(manifest.get("curve_public_key")):
+        raise ValueError(f"{paths.manifest}: 'curve_public_key' must be null or a {_CURVE_KEY_CHARS}-character key")
+    return manifest
+
+
+def valid_endpoint(paths: JobPaths, endpoint) -> bool:
+    """An endpoint this job's daemon can listen on: its own ipc socket, or a TCP address."""
+    if endpoint == paths.endpoint:
+        return True
+    try:
+        parse_tcp_endpoint(endpoint)
+    except ValueError:
+        return False
+    return True
+
+
+def valid_curve_key(key) -> bool:
+    """None (no CURVE), or a public key in Z85 text (printable ASCII)."""
+    if key is None:
+        return True
+    return isinstance(key, str) and len(key) == _CURVE_KEY_CHARS and key.isascii() and key.isprintable()

@@ -22,7 +22,7 @@ import zmq
 from . import batchfile, transport
 from .device import DeviceFeeder
 from .errors import AuthError, BatchFormatError, BatchTimeout, DaemonDied, JobNotRunning, PlanMismatch
-from .layout import JobPaths, daemon_alive, hold_trainer_lock, read_manifest
+from .layout import JobPaths, check_manifest, daemon_alive, hold_trainer_lock, open_job, read_manifest
 from .readahead import ReadAhead
 
 STATE_VERSION = 1
@@ -185,6 +185,10 @@ class PrefetchLoader:
         elif normalize is not None:
             raise ValueError("normalize= is applied on a device: pass device= too (device='cpu' on a CPU)")
         self._epoch, self._step = 0, 0  # the next batch this rank reads
+        # The epoch a loaded state has finished (until an iteration starts), and whether
+        # set_epoch named it: the next iteration is then that epoch's rest, which is empty.
+        self._finished_by_state: int | None = None
+        self._rest_is_empty = False
         # The threads that map the next batch while the trainer holds this one; in a holder of
         # their own, which the finalizer stops (they hold this loader only weakly).
         self._readers = _Readers()
@@ -215,13 +219,24 @@ class PrefetchLoader:
     # -- setup -----------------------------------------------------------------------------
 
     def _read_manifest(self) -> dict:
+        """The manifest of the live job, read in folders proven this user's (layout.open_job):
+        in folders another user could have prepared (its manifest naming their socket, its
+        batches theirs) UnsafeFolder says whose they are, before anything there is used."""
         job, root = self._paths.name, self._paths.dir.parent
         hint = f"start it with `prefetchd start CONFIG --name {job}` (root {root})"
         try:
-            manifest = read_manifest(self._paths)
+            folder = open_job(self._paths)
         except FileNotFoundError:
-            manifest = None
-        if manifest is None or not daemon_alive(self._paths):
+            raise JobNotRunning(f"no prefetchd job {job!r} is running under {root}: {hint}") from None
+        with folder:
+            try:
+                manifest = read_manifest(self._paths, dir_fd=folder.dir_fd)
+            except FileNotFoundError:
+                manifest = None
+            except ValueError as exc:
+                raise JobNotRunning(f"job {job!r} has no usable manifest ({exc}); {hint}") from None
+            alive = manifest is not None and daemon_alive(self._paths, dir_fd=folder.dir_fd)
+        if not alive:
             # A daemon that stopped on its own error (a bad sample under --on-error fail, a
             # failure budget) may do so before its first trainer connects: say why.
             reason = _stop_reason(self._paths.log)
@@ -233,7 +248,10 @@ class PrefetchLoader:
             if manifest is None:
                 raise JobNotRunning(f"no prefetchd job {job!r} is running under {root}: {hint}")
             raise JobNotRunning(f"the daemon of job {job!r} is not running (stale {self._paths.dir}): {hint}")
-        return manifest
+        try:
+            return check_manifest(self._paths, manifest)
+        except ValueError as exc:
+            raise JobNotRunning(f"job {job!r} has no usable manifest ({exc}); {hint}") from None
 
     def _check_plan(self) -> None:
         world = self.manifest["world_size"]
@@ -270,11 +288,25 @@ class PrefetchLoader:
         """Start the next ``iter()`` at the beginning of ``epoch``.
 
         Setting the epoch the loader is already in changes nothing, so the usual
-        ``loader.set_epoch(epoch)`` at the top of each epoch keeps a mid-epoch resume.
+        ``loader.set_epoch(epoch)`` at the top of each epoch keeps a mid-epoch resume. Nor does
+        setting, after ``load_state_dict``, the epoch that the loaded state has finished: a
+        framework that resumes it believes it is still in that epoch (Lightning loads the state,
+        calls ``iter()``, then ``sampler.set_epoch``), so the next iteration is that epoch's
+        rest, which is empty, and the epoch after it comes next; the finished one never again.
         """
-        if epoch != self.position[0]:
-            self._epoch, self._step = int(epoch), 0
+        epoch = int(epoch)
+        self._rest_is_empty = epoch == self._finished_by_state
+        if not self._rest_is_empty and epoch != self.position[0]:
+            self._epoch, self._step = epoch, 0
+            self._finished_by_state = None
             self._readers.drop_next()
+
+    def _iteration_start(self) -> tuple[int, int]:
+        """(epoch, step) where the iteration beginning now starts: the position, or the end of
+        the epoch a loaded state finished, when set_epoch named that epoch (nothing to read)."""
+        finished, self._finished_by_state = self._finished_by_state, None
+        empty, self._rest_is_empty = self._rest_is_empty, False
+        return (finished, len(self)) if empty else self.position
 
     @property
     def sampler(self) -> _EpochSampler:
@@ -285,7 +317,7 @@ class PrefetchLoader:
         # The position is read at the first batch, not at iter(): Lightning calls iter()
         # before it sets the epoch.
         n = len(self)
-        self._epoch, self._step = self.position
+        self._epoch, self._step = self._iteration_start()
         epoch = self._epoch
         readers = self._readers
         if readers.current is not None:  # an iterator left mid-epoch: only one thread reads
@@ -337,7 +369,9 @@ class PrefetchLoader:
         With the same global batch (``world_size * batch_size``) the resumed run yields exactly
         what an uninterrupted one would, on any world size. With another global batch it
         resumes at the step holding the first unconsumed sample: fewer than one global batch
-        of that epoch is seen twice, none is skipped.
+        of that epoch is seen twice, none is skipped. A state that has consumed this plan's
+        whole epoch (a shorter one: a larger global batch drops more samples) resumes at the
+        next epoch, and ``set_epoch`` of the finished one does not rewind it (see set_epoch).
         """
         job = self._paths.name
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
@@ -354,7 +388,13 @@ class PrefetchLoader:
         epoch, consumed = state.get("epoch"), state.get("samples_consumed")
         if not all(type(v) is int and v >= 0 for v in (epoch, consumed)):
             raise PlanMismatch(f"state has a bad position: epoch {epoch!r}, samples_consumed {consumed!r}")
-        self._epoch, self._step = epoch, consumed // self.manifest["global_batch"]
+        step = consumed // self.manifest["global_batch"]
+        if step >= len(self):  # the state has finished this plan's epoch
+            self._epoch, self._step, self._finished_by_state = epoch + 1, 0, epoch
+        else:  # at step 0 of an epoch, the state has finished the one before
+            self._epoch, self._step = epoch, step
+            self._finished_by_state = epoch - 1 if step == 0 and epoch > 0 else None
+        self._rest_is_empty = False
         self._readers.drop_next()  # its batch unmapped now: the daemon may want the slot for the seek
         self._report(self._epoch, self._step)
 
@@ -375,11 +415,18 @@ class PrefetchLoader:
                 pass  # closed under a read-ahead thread that is stopping
 
     def _check_batch(self, path, header: dict, arrays: dict, epoch: int, step: int) -> None:
-        """Test mode: prove the batch is the one asked for, of this job, and not torn."""
+        """Test mode: prove the batch is the one asked for, of this job's plan, and not torn."""
         expected = (epoch, step, self.rank, self.manifest["config_hash"])
         found = (header["epoch"], header["step"], header["rank"], header["meta"].get("config_hash"))
         if found != expected:
             raise BatchFormatError(f"{path}: header says epoch/step/rank/config {found}, expected {expected}")
+        plan = self.manifest.get("plan_digest")  # absent in a manifest of an older daemon
+        if plan is not None and header["meta"].get("plan_digest") != plan:
+            raise BatchFormatError(
+                f"{path}: made by another plan (its plan digest {header['meta'].get('plan_digest')!r:.40}, this "
+                f"job's {plan!r}: world size, batch size, drop_last, weights, data, transforms or decoder differ); "
+                "the daemon never serves such a batch, so something else put it there"
+            )
         digest = batchfile.content_digest(arrays, header["fields"])
         if digest != header["meta"].get("crc32"):
             raise BatchFormatError(f"{path}: its bytes do not match the CRC-32 in its header (torn write?)")
