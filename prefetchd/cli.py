@@ -225,6 +225,10 @@ def _print_status(s: dict) -> None:
         f"{s['totals']['bad_samples']} bad samples replaced",
         highlight=False,
     )
+    refused = s["totals"].get("refused") or {}
+    if refused:  # peer input dropped: a buggy or hostile trainer, a planted file (see the log)
+        shown = ", ".join(f"{n} {kind.replace('_', ' ')}{'s' if n != 1 else ''}" for kind, n in sorted(refused.items()))
+        out.print(f"  refused: {shown}", highlight=False)
     table = Table("rank", "trainer", "epoch", "step", "ready", "in flight", "consumed", "last report", box=None)
     for rk in s["ranks"]:
         age = "never" if rk["last_report_s_ago"] is None else f"{rk['last_report_s_ago']:.1f} s ago"

@@ -82,8 +82,9 @@ def test_two_fast_ranks_for_ten_minutes_keep_every_process_flat(tmp_path, jpeg_f
                 t.wait()
     assert all(t.returncode == 0 for t in trainers)
     status = control.request(paths.endpoint, {"op": "status"}, timeout_s=10)
-    # After a warm-up minute (page cache, the first epochs' allocations), growth is a leak.
-    warm = [i for i, t in enumerate(samples["t"]) if t >= min(60.0, SOAK_S / 4)]
+    # The first minutes warm up (allocator arenas, page cache: ~1.5 MiB in the master, then flat);
+    # growth over the second half is a leak.
+    warm = [i for i, t in enumerate(samples["t"]) if t >= SOAK_S / 2]
     t = [samples["t"][i] for i in warm]
     slopes = {k: slope_per_hour(t, [samples[k][i] for i in warm]) for k in samples if k != "t"}
     batches = sum(r["batches"] for r in results)
@@ -97,10 +98,21 @@ def test_two_fast_ranks_for_ten_minutes_keep_every_process_flat(tmp_path, jpeg_f
               f"slope {slopes[k] / 2**20:+.2f} MiB/h")
     for k in ("master_fds", "worker_fds", "client_fds"):
         print(f"  {k}: {samples[k][warm[0]]} -> {samples[k][-1]} (min {min(samples[k])}, max {max(samples[k])})")
+    every_minute = range(0, len(samples["t"]), 12)
+    per_minute = {k: [round(samples[k][i] / 2**20, 1) for i in every_minute] for k in ("master_rss", "client_rss")}
+    print(f"  RSS each minute (MiB): {per_minute}")
     assert status["buffer"]["peak_bytes"] <= bound and max(samples["files_bytes"]) <= bound
     assert status["workers"]["restarts"] == 0
+    quarter = max(1, len(warm) // 4)
     for k in ("master_fds", "worker_fds", "client_fds"):
-        assert max(samples[k][i] for i in warm) - min(samples[k][i] for i in warm) <= 4, k
-    # The leak this guards against: ~110 bytes per batch, ~50 MiB/h at this rate.
-    assert slopes["master_rss"] < 4 * 2**20, slopes
-    assert slopes["worker_rss"] < 8 * 2**20 and slopes["client_rss"] < 8 * 2**20, slopes
+        # A client maps a few batches at a time (read-ahead, unmapping in the background), so
+        # its count moves by a few between samples: the trend is what must be flat.
+        first, last = (float(np.median([samples[k][i] for i in part])) for part in (warm[:quarter], warm[-quarter:]))
+        assert last - first <= 2, (k, first, last)
+    # The leak this guards against: ~110 bytes per batch produced or consumed. Per process and
+    # per batch it handled, growth must stay a small fraction of that.
+    per_hour = batches / SOAK_S * 3600
+    bytes_per_batch = {k: slopes[k] / (per_hour if k == "master_rss" else per_hour / 2) for k in slopes if "rss" in k}
+    print(f"  RSS growth per batch handled (bytes): { {k: round(v, 2) for k, v in bytes_per_batch.items()} }")
+    assert bytes_per_batch["master_rss"] < 10, bytes_per_batch
+    assert bytes_per_batch["worker_rss"] < 10 and bytes_per_batch["client_rss"] < 20, bytes_per_batch

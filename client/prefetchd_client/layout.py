@@ -359,18 +359,50 @@ def _has_open(pid: int, target: os.stat_result) -> bool:
     return False
 
 
+# The trainer locks this process holds. A flock belongs to the open file, which a fork shares:
+# a child that outlived a killed trainer (a DataLoader worker, a subprocess started by fork)
+# would keep the rank "alive" and its window pinned. A child is no trainer: it lets go of its
+# copies at once. (The child's copies of batch maps keep their locks on purpose: its inherited
+# mapping really holds the batch's pages, and the bound must count them until it exits.)
+_held_trainer_locks: set[int] = set()
+
+
+def _let_go_of_trainer_locks_in_child() -> None:
+    if not _held_trainer_locks:
+        return
+    null = os.open(os.devnull, os.O_RDONLY)
+    for fd in _held_trainer_locks:
+        os.dup2(null, fd)  # the number stays valid for whoever closes it later; the lock's file is let go
+    os.close(null)
+    _held_trainer_locks.clear()
+
+
+os.register_at_fork(after_in_child=_let_go_of_trainer_locks_in_child)
+
+
 def hold_trainer_lock(paths: JobPaths, rank: int) -> int | None:
-    """Take a shared flock that says "a trainer of this rank is alive"; returns the fd to keep.
+    """Take a shared flock that says "a trainer of this rank is alive"; returns the fd to keep
+    (close it with ``release_trainer_lock``).
 
     The kernel drops it when the process dies, however it dies, so the daemon can tell a
-    trainer that is gone from one that is only paused. None if the job has no such folder.
+    trainer that is gone from one that is only paused. None if the job has no such folder,
+    or something other than a regular file is planted under the lock's name.
     """
     try:
-        fd = os.open(paths.trainer_lock(rank), os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        fd = os.open(paths.trainer_lock(rank), os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
     except OSError:
         return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
     fcntl.flock(fd, fcntl.LOCK_SH)
+    _held_trainer_locks.add(fd)
     return fd
+
+
+def release_trainer_lock(fd: int) -> None:
+    _held_trainer_locks.discard(fd)
+    os.close(fd)
 
 
 def trainer_state(paths: JobPaths, rank: int) -> str:

@@ -22,7 +22,15 @@ import zmq
 from . import batchfile, transport
 from .device import DeviceFeeder
 from .errors import AuthError, BatchFormatError, BatchTimeout, DaemonDied, JobNotRunning, PlanMismatch
-from .layout import JobPaths, check_manifest, daemon_alive, hold_trainer_lock, open_job, read_manifest
+from .layout import (
+    JobPaths,
+    check_manifest,
+    daemon_alive,
+    hold_trainer_lock,
+    open_job,
+    read_manifest,
+    release_trainer_lock,
+)
 from .readahead import ReadAhead
 
 STATE_VERSION = 1
@@ -84,7 +92,7 @@ def _close_socket(context: zmq.Context, socket: zmq.Socket, trainer_fd: int | No
     socket.close(linger=_CLOSE_LINGER_MS)
     context.term()
     if trainer_fd is not None:
-        os.close(trainer_fd)
+        release_trainer_lock(trainer_fd)
 
 
 def _torch():
