@@ -205,6 +205,13 @@ def _job_status(paths: JobPaths) -> dict:
 
 
 def _print_status(s: dict) -> None:
+    try:
+        _print_status_fields(s)
+    except (KeyError, TypeError, ValueError, AttributeError):  # a daemon of ours never answers so
+        out.print(f"  the daemon's status reply is not what prefetchd sends: {escape(repr(s)[:200])}", highlight=False)
+
+
+def _print_status_fields(s: dict) -> None:
     out.print(f"[bold]{s['job']}[/]: {s['state']}  ({s['job_dir']})", highlight=False)
     if "error" in s:
         out.print(f"  {escape(s['error'])}", highlight=False)

@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from prefetchd_client.layout import LOCK, JobPaths, UnsafeFolder, open_private_dir, read_manifest
+from prefetchd_client.layout import LOCK, JobPaths, UnsafeFolder, check_folders_above, open_private_dir, read_manifest
 
 from .errors import JobError
 
@@ -28,10 +28,12 @@ def ensure_private_dir(path: Path, what: str, *, dir_fd: int | None = None) -> i
     every entry point runs (prefetchd_client.layout.open_private_dir).
     """
     try:
-        os.mkdir(path.name if dir_fd is not None else path, 0o700, dir_fd=dir_fd)
-    except FileExistsError:
-        pass
-    try:
+        if dir_fd is None:  # nothing is made under folders that someone else could swap
+            check_folders_above(path, what)
+        try:
+            os.mkdir(path.name if dir_fd is not None else path, 0o700, dir_fd=dir_fd)
+        except FileExistsError:
+            pass
         return open_private_dir(path, what, dir_fd=dir_fd)
     except UnsafeFolder as exc:
         raise JobError(str(exc)) from None
@@ -57,6 +59,10 @@ class JobDir:
     def acquire(self) -> None:
         """Create and lock the job directory; JobError (touching nothing) if a daemon holds it."""
         root = self.paths.dir.parent
+        try:
+            check_folders_above(root, "job root")  # before anything is made there
+        except UnsafeFolder as exc:
+            raise JobError(str(exc)) from None
         try:
             root.parent.mkdir(parents=True, exist_ok=True)
         except OSError as exc:  # a regular file on the way, no permission, ...

@@ -23,7 +23,7 @@ import zmq
 
 from prefetchd_client.batchfile import VERSION as BATCH_FORMAT_VERSION
 from prefetchd_client.batchfile import BatchFormatError, FieldSpec, map_batch
-from prefetchd_client.layout import JobPaths, parse_batch_name, trainer_state
+from prefetchd_client.layout import MAX_EPOCH, JobPaths, parse_batch_name, trainer_state
 
 from . import control
 from .config import Config, content_hash, plan_digest
@@ -60,9 +60,6 @@ _RETIRED_CHECK_S = 0.05  # how often consumed batches still mapped by a client a
 _NO_SPACE_MIN_S, _NO_SPACE_MAX_S = 0.1, 2.0  # back-off range while the tmpfs is full
 _BAD_IN_A_ROW = 64  # unreadable samples in a row within a batch: the data, not a sample, is broken
 _BAD_RATE_MIN_SAMPLES = 1000  # judge the bad-sample rate only over this many samples
-# Batch names hold six digits of epoch (prefetchd_client.layout.batch_name): a position past
-# that is refused as outside the plan, never made into a task.
-_MAX_EPOCH = 10**6 - 1
 _REFUSALS_LOGGED = 10  # of each kind; then one line a minute with the count (the log is on the tmpfs)
 _REFUSAL_SUMMARY_S = 60.0
 _OUT_OF_DESCRIPTORS_S = 0.5  # pause after EMFILE/ENFILE: let peers' connections time out
@@ -616,12 +613,12 @@ class Master:
         """
         if not (
             0 <= rank < self.config.world_size
-            and 0 <= epoch <= _MAX_EPOCH
+            and 0 <= epoch <= MAX_EPOCH
             and 0 <= step <= self.plan.batches_per_epoch
         ):
             raise OutsidePlan(
                 f"position rank {str(rank)[:24]} epoch {str(epoch)[:24]} step {str(step)[:24]} is outside the plan "
-                f"(ranks 0..{self.config.world_size - 1}, epochs 0..{_MAX_EPOCH}, "
+                f"(ranks 0..{self.config.world_size - 1}, epochs 0..{MAX_EPOCH}, "
                 f"steps 0..{self.plan.batches_per_epoch})"
             )
         state = self.scheduler.ranks[rank]

@@ -74,6 +74,9 @@ class SampleIndex:
 
     @classmethod
     def load(cls, folder: Path) -> SampleIndex:
+        for name in _FILES:  # np.load would block on a FIFO planted under the name
+            if not stat.S_ISREG(os.lstat(folder / name).st_mode):
+                raise ValueError(f"{folder / name} is not a regular file")
         return cls(*(np.load(folder / name, mmap_mode="r", allow_pickle=False) for name in _FILES))
 
 

@@ -10,6 +10,8 @@ pass, and the result says so with both digests.
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import numpy as np
 
@@ -19,11 +21,35 @@ from prefetchd_client.layout import JobPaths, read_manifest
 from .errors import JobError
 from .producer import PRODUCER_SPEC, BatchProducer, ProducerSpec
 
+_MAX_SPEC_BYTES = 1 << 20
+
+
+def _read_spec(paths: JobPaths) -> ProducerSpec:
+    """The job's producer.json: a small regular file (never a FIFO: O_NONBLOCK) holding the
+    fields of a ProducerSpec; JobError otherwise."""
+    path = paths.dir / PRODUCER_SPEC
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise JobError(f"cannot read {path}: {exc.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise JobError(f"{path} is not a regular file; a daemon never writes that: restart the job")
+        data = os.read(fd, _MAX_SPEC_BYTES)
+    finally:
+        os.close(fd)
+    try:
+        return ProducerSpec(**json.loads(data))
+    except (ValueError, RecursionError, TypeError) as exc:
+        raise JobError(f"{path} is not what a daemon writes ({type(exc).__name__}); restart the job") from None
+
 
 def verify_batch(paths: JobPaths, epoch: int, step: int, rank: int) -> dict:
     try:
         manifest = read_manifest(paths)
-        spec = ProducerSpec(**json.loads((paths.dir / PRODUCER_SPEC).read_text()))
+        spec = _read_spec(paths)
     except FileNotFoundError:
         raise JobError(f"no serving job {paths.name!r} under {paths.dir.parent}; start it first") from None
     if not (0 <= rank < manifest["world_size"] and 0 <= step < manifest["batches_per_epoch"] and epoch >= 0):
@@ -43,7 +69,14 @@ def verify_batch(paths: JobPaths, epoch: int, step: int, rank: int) -> dict:
         ) from None
     except BatchFormatError as exc:
         raise JobError(f"{path} is not a valid batch file ({exc}); the daemon never publishes one") from None
-    meta, regenerated = BatchProducer(spec).regenerate(epoch, step, rank)
+    try:
+        producer = BatchProducer(spec)
+    except Exception as exc:  # its index, its transforms, its pipeline's import: all read from the job folder
+        raise JobError(
+            f"cannot remake batches of job {paths.name!r} from its {PRODUCER_SPEC} and index: "
+            f"{type(exc).__name__}: {str(exc)[:200]}; a daemon never writes such a job folder: restart the job"
+        ) from None
+    meta, regenerated = producer.regenerate(epoch, step, rank)
     differing = sorted(k for k in regenerated if not np.array_equal(regenerated[k], published.get(k)))
     other_plan = _other_plan(published_plan, spec.plan_digest)
     return {

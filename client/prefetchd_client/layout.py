@@ -30,6 +30,7 @@ import os
 import re
 import shutil
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,8 +156,11 @@ def open_private_dir(path: Path, what: str, *, dir_fd: int | None = None) -> int
     when it does not exist. With ``dir_fd`` only ``path.name`` is opened, relative to it.
 
     Work relative to the descriptor (``dir_fd=``) afterwards: a check of a path is worth
-    nothing once the path can name something else.
+    nothing once the path can name something else. Opened by its whole path (no ``dir_fd``),
+    every folder above it must be safe too (``check_folders_above``).
     """
+    if dir_fd is None:
+        check_folders_above(path, what)
     try:
         fd = os.open(path.name if dir_fd is not None else path, _DIR_FLAGS, dir_fd=dir_fd)
     except OSError as exc:
@@ -175,6 +179,34 @@ def open_private_dir(path: Path, what: str, *, dir_fd: int | None = None) -> int
         os.close(fd)
         raise
     return fd
+
+
+def check_folders_above(path: Path, what: str) -> None:
+    """UnsafeFolder unless nobody else can rename a folder above ``path``: each one, as
+    written and as symlinks resolve, belongs to root or to this user and is writable by no
+    one else, or is sticky (/tmp, /dev/shm: there nobody renames what is not theirs).
+
+    Otherwise the folder checked could be renamed away after the check and another user's
+    put in its place (a root under a shared project folder): the loader would then read their
+    batches and report to their socket, `verify` import their code.
+    """
+    uid = os.getuid()
+    written = Path(os.path.abspath(path)).parent
+    resolved = Path(os.path.realpath(written))
+    for folder in dict.fromkeys([*written.parents, written, *resolved.parents, resolved]):
+        try:
+            st = os.lstat(folder)
+        except OSError:
+            continue  # not there (yet): whoever creates it is checked when it is used
+        owner_ok = st.st_uid in (0, uid)
+        open_to_others = stat.S_ISDIR(st.st_mode) and st.st_mode & _WRITABLE_BY_OTHERS and not st.st_mode & stat.S_ISVTX
+        if not owner_ok or open_to_others:
+            who = f"uid {st.st_uid}" if not owner_ok else f"mode {stat.S_IMODE(st.st_mode):o}, not sticky"
+            raise UnsafeFolder(
+                f"{what} {path} lies under {folder} ({who}), which another user can change: they could swap "
+                f"the {what} for their own after it is checked. Use a root whose folders above only you or "
+                f"root can change (the default /dev/shm/prefetchd-<uid> is one): --root DIR or {ROOT_ENV}=DIR"
+            )
 
 
 def _refusal(path: Path, what: str, st: os.stat_result) -> str:
@@ -240,6 +272,11 @@ def open_job(paths: JobPaths) -> OpenJob:
         os.close(root_fd)
         raise
     return OpenJob(paths, root_fd, dir_fd)
+
+
+# What a batch name holds (six digits of epoch, eight of step, four of rank): a position past
+# these is outside every plan.
+MAX_EPOCH, MAX_STEP, MAX_RANK = 10**6 - 1, 10**8 - 1, 10**4 - 1
 
 
 def batch_name(epoch: int, step: int, rank: int) -> str:
@@ -365,6 +402,7 @@ def _has_open(pid: int, target: os.stat_result) -> bool:
 # copies at once. (The child's copies of batch maps keep their locks on purpose: its inherited
 # mapping really holds the batch's pages, and the bound must count them until it exits.)
 _held_trainer_locks: set[int] = set()
+_TRAINER_LOCK_TIMEOUT_S = 2.0
 
 
 def _let_go_of_trainer_locks_in_child() -> None:
@@ -386,7 +424,8 @@ def hold_trainer_lock(paths: JobPaths, rank: int) -> int | None:
 
     The kernel drops it when the process dies, however it dies, so the daemon can tell a
     trainer that is gone from one that is only paused. None if the job has no such folder,
-    or something other than a regular file is planted under the lock's name.
+    something other than a regular file is planted under the lock's name, or another process
+    holds it exclusively for seconds (then the daemon sees this rank as "never" or "gone").
     """
     try:
         fd = os.open(paths.trainer_lock(rank), os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
@@ -395,7 +434,18 @@ def hold_trainer_lock(paths: JobPaths, rank: int) -> int | None:
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
         return None
-    fcntl.flock(fd, fcntl.LOCK_SH)
+    # The daemon's probe holds the lock exclusively for microseconds; a process that holds it
+    # longer is not the daemon: give up after a deadline rather than hang the trainer.
+    deadline = time.monotonic() + _TRAINER_LOCK_TIMEOUT_S
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                return None
+            time.sleep(0.01)
     _held_trainer_locks.add(fd)
     return fd
 
@@ -440,10 +490,12 @@ def read_manifest(paths: JobPaths, *, dir_fd: int | None = None) -> dict:
         if exc.errno == errno.ELOOP:
             raise ValueError(f"{paths.manifest} is a symlink, which no daemon writes") from None
         raise
-    with os.fdopen(fd, "rb") as f:
+    try:  # fstat before fdopen: a folder under the name must be a ValueError, not IsADirectoryError
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ValueError(f"{paths.manifest} is not a regular file")
-        data = f.read(_MAX_MANIFEST_BYTES + 1)
+        data = os.read(fd, _MAX_MANIFEST_BYTES + 1)
+    finally:
+        os.close(fd)
     if len(data) > _MAX_MANIFEST_BYTES:
         raise ValueError(f"{paths.manifest} is larger than {_MAX_MANIFEST_BYTES} bytes")
     try:
@@ -455,17 +507,18 @@ def read_manifest(paths: JobPaths, *, dir_fd: int | None = None) -> dict:
     return manifest
 
 
-def _positive_int(value) -> bool:
-    return type(value) is int and value > 0
+def _count_up_to(most: int):
+    return lambda value: type(value) is int and 0 < value <= most, f"an integer from 1 to {most}"
 
 
-# What a client reads from a manifest, and what each value must be.
+# What a client reads from a manifest, and what each value must be (the bounds: what batch
+# names can hold, what a sample count can be, the kernel's largest pid).
 _MANIFEST_VALUES = {
-    "world_size": (_positive_int, "a positive integer"),
-    "batch_size": (_positive_int, "a positive integer"),
-    "global_batch": (_positive_int, "a positive integer"),
-    "batches_per_epoch": (_positive_int, "a positive integer"),
-    "pid": (_positive_int, "a positive integer"),
+    "world_size": _count_up_to(MAX_RANK + 1),
+    "batch_size": _count_up_to(2**40),
+    "global_batch": _count_up_to(2**50),
+    "batches_per_epoch": _count_up_to(MAX_STEP + 1),
+    "pid": _count_up_to(2**22),
     "config_hash": (lambda v: isinstance(v, str), "a string"),
     "config": (lambda v: isinstance(v, dict), "an object"),
 }
@@ -492,10 +545,10 @@ def valid_endpoint(paths: JobPaths, endpoint) -> bool:
     if endpoint == paths.endpoint:
         return True
     try:
-        parse_tcp_endpoint(endpoint)
+        tcp = parse_tcp_endpoint(endpoint)
     except ValueError:
         return False
-    return True
+    return not tcp.wildcard  # a bind address; a daemon writes where to connect
 
 
 def valid_curve_key(key) -> bool:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import stat
 import threading
 import time
 import weakref
@@ -23,6 +24,7 @@ from . import batchfile, transport
 from .device import DeviceFeeder
 from .errors import AuthError, BatchFormatError, BatchTimeout, DaemonDied, JobNotRunning, PlanMismatch
 from .layout import (
+    MAX_EPOCH,
     JobPaths,
     check_manifest,
     daemon_alive,
@@ -124,13 +126,20 @@ class _EpochSampler:
 def _stop_reason(log_path) -> str | None:
     """Why the daemon stopped, if its log ends with its own fatal error; None otherwise
     (killed, or still running)."""
-    try:
-        with open(log_path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 8192))
-            lines = f.read().decode("utf-8", "replace").strip().splitlines()
+    try:  # O_NONBLOCK, regular files only: a FIFO under the log's name must not block a trainer
+        fd = os.open(log_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        tail = os.pread(fd, 8192, max(0, st.st_size - 8192))
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    lines = tail.decode("utf-8", "replace").strip().splitlines()
     last = lines[-1] if lines else ""
     return last.split(" ERROR stopped: ", 1)[1] if " ERROR stopped: " in last else None
 
@@ -197,6 +206,8 @@ class PrefetchLoader:
         # set_epoch named it: the next iteration is then that epoch's rest, which is empty.
         self._finished_by_state: int | None = None
         self._rest_is_empty = False
+        self._epoch_set: int | None = None  # set_epoch's argument since the last iteration began
+        self._loaded: tuple[tuple[int, int], int] | None = None  # ((epoch, step), samples) of the last load
         # The threads that map the next batch while the trainer holds this one; in a holder of
         # their own, which the finalizer stops (they hold this loader only weakly).
         self._readers = _Readers()
@@ -303,10 +314,13 @@ class PrefetchLoader:
         rest, which is empty, and the epoch after it comes next; the finished one never again.
         """
         epoch = int(epoch)
+        if not 0 <= epoch <= MAX_EPOCH:
+            raise ValueError(f"set_epoch({epoch}): epochs are 0..{MAX_EPOCH} (batch names hold six digits)")
+        self._epoch_set = epoch
         self._rest_is_empty = epoch == self._finished_by_state
         if not self._rest_is_empty and epoch != self.position[0]:
             self._epoch, self._step = epoch, 0
-            self._finished_by_state = None
+            self._finished_by_state = self._loaded = None
             self._readers.drop_next()
 
     def _iteration_start(self) -> tuple[int, int]:
@@ -314,6 +328,7 @@ class PrefetchLoader:
         the epoch a loaded state finished, when set_epoch named that epoch (nothing to read)."""
         finished, self._finished_by_state = self._finished_by_state, None
         empty, self._rest_is_empty = self._rest_is_empty, False
+        self._epoch_set = None
         return (finished, len(self)) if empty else self.position
 
     @property
@@ -363,12 +378,17 @@ class PrefetchLoader:
         state resumes under another world size (elastic resume).
         """
         epoch, step = self.position
+        consumed = step * self.manifest["global_batch"]
+        if self._loaded is not None and self._loaded[0] == (epoch, step):
+            # Nothing read since an elastic load: keep its exact offset, not the step's start,
+            # or a chain of elastic resumes would each repeat up to a global batch.
+            consumed = self._loaded[1]
         return {
             "version": STATE_VERSION,
             "config_hash": self.manifest["config_hash"],
             "config": self.manifest["config"],
             "epoch": epoch,
-            "samples_consumed": step * self.manifest["global_batch"],
+            "samples_consumed": consumed,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -386,7 +406,8 @@ class PrefetchLoader:
             found = state.get("version") if isinstance(state, dict) else type(state).__name__
             raise PlanMismatch(f"not a prefetchd loader state of version {STATE_VERSION} (found {found!r})")
         if state.get("config_hash") != self.manifest["config_hash"]:
-            theirs, ours = state.get("config") or {}, self.manifest["config"]
+            theirs, ours = state.get("config"), self.manifest["config"]
+            theirs = theirs if isinstance(theirs, dict) else {}
             differing = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
             shown = "; ".join(f"{k}: state has {theirs.get(k)!r}, job has {ours.get(k)!r}" for k in differing)
             raise PlanMismatch(
@@ -394,15 +415,22 @@ class PrefetchLoader:
                 f"({shown or 'config_hash'}); start the job with the config the state came from"
             )
         epoch, consumed = state.get("epoch"), state.get("samples_consumed")
-        if not all(type(v) is int and v >= 0 for v in (epoch, consumed)):
-            raise PlanMismatch(f"state has a bad position: epoch {epoch!r}, samples_consumed {consumed!r}")
+        if not (type(epoch) is int and 0 <= epoch < MAX_EPOCH and type(consumed) is int and consumed >= 0):
+            raise PlanMismatch(
+                f"state has a bad position: epoch {epoch!r:.30}, samples_consumed {consumed!r:.30} "
+                f"(epochs 0..{MAX_EPOCH - 1}, a non-negative sample count)"
+            )
         step = consumed // self.manifest["global_batch"]
         if step >= len(self):  # the state has finished this plan's epoch
             self._epoch, self._step, self._finished_by_state = epoch + 1, 0, epoch
+            self._loaded = None
         else:  # at step 0 of an epoch, the state has finished the one before
             self._epoch, self._step = epoch, step
             self._finished_by_state = epoch - 1 if step == 0 and epoch > 0 else None
-        self._rest_is_empty = False
+            self._loaded = ((epoch, step), consumed)
+        # set_epoch of the finished epoch may come before the load too (a loop that sets its
+        # epoch, then restores the loader): that iteration is the finished epoch's empty rest.
+        self._rest_is_empty = self._finished_by_state is not None and self._finished_by_state == self._epoch_set
         self._readers.drop_next()  # its batch unmapped now: the daemon may want the slot for the seek
         self._report(self._epoch, self._step)
 
