@@ -58,6 +58,25 @@ def _job_paths(job: str, root: Optional[Path]) -> JobPaths:
         raise _fail(JobError(str(exc))) from None
 
 
+_IPC_PATH_MAX_BYTES = 107  # a Unix socket's sun_path, less its terminating NUL
+
+
+def _check_ipc_path(paths: JobPaths) -> None:
+    """The job's socket path must be one ZeroMQ can bind: UTF-8 text, short enough."""
+    try:
+        size = len(str(paths.socket).encode("utf-8"))
+    except UnicodeEncodeError:
+        raise JobError(
+            f"the job root {paths.dir.parent!r} is not UTF-8 text, which the control socket's path must be; "
+            "choose another --root"
+        ) from None
+    if size > _IPC_PATH_MAX_BYTES:
+        raise JobError(
+            f"the control socket {paths.socket} would be {size} bytes long, more than a Unix socket path may "
+            f"be ({_IPC_PATH_MAX_BYTES}); choose a shorter --root or --name"
+        )
+
+
 def _open_job(paths: JobPaths) -> OpenJob:
     """The job's root and folder, checked (prefetchd_client.layout.open_job); a clear error
     and exit 4 when either is missing or is not this user's private folder."""
@@ -147,6 +166,8 @@ def start(
     try:
         cfg = load_config(config, overrides)
         paths = _job_paths(cfg.name, root)
+        if cfg.endpoint == "ipc":
+            _check_ipc_path(paths)
         warning = control.endpoint_warning(cfg)
         if warning is not None:
             err.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False)

@@ -55,7 +55,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from prefetchd_client.batchfile import VERSION as BATCH_FORMAT_VERSION
-from prefetchd_client.layout import check_job_name
+from prefetchd_client.layout import MAX_RANK, check_job_name
 from prefetchd_client.transport import load_secret_certificate, parse_tcp_endpoint
 
 from . import control, fastdecode, transforms
@@ -271,7 +271,10 @@ def _check_keys(table: dict, known, where: str) -> None:
 
 def _resolve(path: str, base: Path) -> str:
     p = Path(path).expanduser()
-    return str(p if p.is_absolute() else (base / p).resolve())
+    try:
+        return str(p if p.is_absolute() else (base / p).resolve())
+    except (RuntimeError, OSError) as exc:  # a symlink loop on the way
+        raise ConfigError(f"cannot resolve the path {path!r} against {base}: {exc}") from None
 
 
 def _check_source(i: int, src, base: Path) -> dict:
@@ -321,6 +324,8 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
     for k in ("world_size", "batch_size"):
         if job.get(k, 1) < 1:
             raise ConfigError(f"[job] {k} / --{k.replace('_', '-')} must be at least 1, got {job[k]}")
+    if job.get("world_size", 1) > MAX_RANK + 1:  # batch names hold four digits of rank
+        raise ConfigError(f"[job] world_size / --world-size must be at most {MAX_RANK + 1}, got {job['world_size']}")
     if job.get("seed", 0) < 0:
         raise ConfigError(f"[job] seed / --seed must be non-negative, got {job['seed']}")
     decoder = job.get("decoder", "pillow")
@@ -398,6 +403,8 @@ def load_config(path: str | os.PathLike | None, overrides: dict | None = None) -
         raw = {"transform": [dict(t) for t in DEFAULT_TRANSFORMS]}
         return build_config(raw, base=Path.cwd(), default_name="default", overrides=overrides)
     path = Path(path)
+    if path.exists() and not path.is_file():  # a FIFO would block the read forever
+        raise ConfigError(f"config file {path} is not a regular file")
     try:
         raw = tomllib.loads(path.read_text())
     except FileNotFoundError:
@@ -406,4 +413,8 @@ def load_config(path: str | os.PathLike | None, overrides: dict | None = None) -
         raise ConfigError(f"cannot read config file {path}: {exc}") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-    return build_config(raw, base=path.resolve().parent, default_name=path.stem, overrides=overrides)
+    try:
+        base = path.resolve().parent
+    except (RuntimeError, OSError) as exc:
+        raise ConfigError(f"cannot resolve config file {path}: {exc}") from None
+    return build_config(raw, base=base, default_name=path.stem, overrides=overrides)

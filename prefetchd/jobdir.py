@@ -49,12 +49,14 @@ class JobDir:
         # else only the entries that are new or replaced since prepare looked (_found; None:
         # it did not look, so this start made nothing there).
         self.created = False
+        self.root_created = False
         self._found: dict[str, tuple[int, int]] | None = None
 
     def note_existing(self) -> None:
         """Before acquire: whether the job folder is already there (a killed daemon's warm
         buffer, say), which a failed start must then keep."""
         self.created = not os.path.lexists(self.paths.dir)
+        self.root_created = not os.path.lexists(self.paths.dir.parent)
 
     def acquire(self) -> None:
         """Create and lock the job directory; JobError (touching nothing) if a daemon holds it."""
@@ -126,6 +128,11 @@ class JobDir:
         retired/, progress/ and trainers/ (a warm buffer, trainers' reports) stay, as does
         anything this start left as it found it."""
         self._remove_in_folder(whole=self.created, entries=self._made_by_this_start)
+        if self.root_created:
+            try:
+                os.rmdir(self.paths.dir.parent)  # only while empty: another job may have come meanwhile
+            except OSError:
+                pass
 
     def _remove_in_folder(self, *, whole: bool, entries) -> None:
         """The folder (``whole``), or the ``entries(dir_fd)`` it names in it. A root or folder

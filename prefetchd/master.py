@@ -37,7 +37,7 @@ from .scheduler import Scheduler
 from .sizes import format_size
 from .sources import build_index
 from .status import Rates, job_status
-from .worker import worker_main
+from .worker import HEARTBEAT_S, worker_main
 
 log = logging.getLogger("prefetchd")
 
@@ -54,6 +54,9 @@ _WORKER_STOP_TIMEOUT_S = 5.0
 _LOOP_TICK_MS = 50
 _RESTART_WINDOW_S = 60.0  # --max-worker-restarts counts deaths within this window
 _TASK_ATTEMPTS = 3  # a batch that fails this often (not a bad sample) stops the daemon
+# A batch whose worker died this often while making it stops the daemon. More than the
+# attempts: a worker killed from outside (an OOM kill, an operator) is not the batch's fault.
+_TASK_DEATHS = 5
 _TRAINER_CHECK_S = 1.0
 _PINNED_WARNING_S = 30.0
 _RETIRED_CHECK_S = 0.05  # how often consumed batches still mapped by a client are tried again
@@ -90,6 +93,7 @@ class WorkerSlot:
     progressed_at: float = field(default_factory=time.monotonic)  # the count last moved, or the task began
     making: list | None = None  # [sample id, path] it last said it was making
     hung: bool = False  # killed by kill_hung_workers: a hang of its task counts as a failed attempt
+    reaped: bool = False  # its death is accounted for (reap_workers), its replacement maybe not yet spawned
 
     def note_heartbeat(self, msg: dict) -> None:
         samples = msg.get("samples")
@@ -117,6 +121,7 @@ class Master:
         self._signals: collections.deque[int] = collections.deque()
         self._restarts: collections.deque[float] = collections.deque()
         self._attempts: collections.Counter = collections.Counter()
+        self._deaths: collections.Counter = collections.Counter()  # per task: its worker died making it
         self._retry_after: dict[tuple[int, int], float] = {}
         self._no_space_delay, self._no_space_until = 0.0, 0.0
         self._context = zmq.Context()
@@ -130,6 +135,7 @@ class Master:
         self.refusals: collections.Counter = collections.Counter()
         self._next_refusal_summary = 0.0
         self._descriptor_warnings = 0
+        self._files_scan = (float("-inf"), 0)  # status: when the buffer's files were last measured, their bytes
         self.samples_produced, self.bad_samples = 0, 0
         self.peak_bytes = 0
         self.retired = RetiredBatches(paths.retired_dir)
@@ -238,6 +244,13 @@ class Master:
         self.scheduler.start_at_adopted()
         if kept or dropped:
             log.info("kept %d batches from a previous daemon, deleted %d", kept, dropped)
+        if kept:
+            log.info(
+                "kept batches are this plan's by its digest, which knows the data by its file list and a "
+                "[pipeline] callable by its name: if images were rewritten in place or the callable's code "
+                "changed, `prefetchd stop %s` and start again",
+                self.paths.name,
+            )
 
     def _valid_leftover(self, entry: os.DirEntry) -> bool:
         """A leftover is this plan's batch: its plan digest, not merely its config hash (which
@@ -354,7 +367,11 @@ class Master:
         msgs = []
         try:
             while slot.conn.poll(0):
-                msg = json.loads(slot.conn.recv_bytes())
+                msg = _decode_worker_message(slot.conn.recv_bytes())
+                if msg is None:  # interleaved writes (a callable that forked): the pipe is broken
+                    log.warning("unreadable message from worker pid %d; replacing it", slot.process.pid)
+                    slot.process.kill()
+                    return msgs
                 slot.last_heard = time.monotonic()
                 if msg["op"] == "heartbeat":
                     slot.note_heartbeat(msg)
@@ -371,10 +388,23 @@ class Master:
                 slot.ready = True
             elif op == "boot_failed":
                 self._on_boot_failure(msg)
+            elif op in ("done", "failed") and not self._reports_its_task(slot, msg):
+                continue
             elif op == "done":
                 self._on_batch_done(slot, msg)
             elif op == "failed":
                 self._on_batch_failed(slot, msg)
+
+    def _reports_its_task(self, slot: WorkerSlot, msg: dict) -> bool:
+        """A result counts only for the task its worker holds: the identity travels with the task
+        and is checked. A second report (a [pipeline] callable that forked, and both processes
+        went on) is dropped."""
+        if slot.task is not None:
+            rank, index = slot.task
+            if (msg.get("epoch"), msg.get("step"), msg.get("rank")) == (*self.plan.unlinear(index), rank):
+                return True
+        log.warning("dropped a report from worker pid %d for a task it does not hold: %.200s", slot.process.pid, msg)
+        return False
 
     def _on_batch_done(self, slot: WorkerSlot, msg: dict) -> None:
         rank, index = slot.task
@@ -390,6 +420,7 @@ class Master:
     def _count_published(self, rank: int, index: int) -> None:
         """A batch is in ``batches/``: into the ledger as ready, or out through the delete path."""
         self._attempts.pop((rank, index), None)
+        self._deaths.pop((rank, index), None)
         self.produced += 1
         self._produce_rate.add(time.monotonic())
         self.samples_produced += self.config.batch_size
@@ -477,9 +508,12 @@ class Master:
     def _hang(self, slot: WorkerSlot, now: float) -> str | None:
         """Why ``slot``'s worker counts as hung, or None while it lives and moves."""
         timeout = self.config.worker_timeout
-        if now - slot.last_heard > timeout:
+        # Booting (an interpreter and its imports, on a loaded machine) has its own deadline.
+        silence_allowed = timeout if slot.ready else max(timeout, _WORKER_BOOT_TIMEOUT_S)
+        if now - slot.last_heard > silence_allowed:
             return f"silent for {now - slot.last_heard:.0f} s"
-        if slot.task is None or now - slot.progressed_at <= timeout:
+        # Progress is heard once a heartbeat: a sample just under the timeout is not a hang.
+        if slot.task is None or now - slot.progressed_at <= timeout + HEARTBEAT_S:
             return None
         rank, index = slot.task
         epoch, step = self.plan.unlinear(index)
@@ -492,30 +526,36 @@ class Master:
         for i, slot in enumerate(self.workers):
             if slot.process.is_alive():
                 continue
-            self.collect_results(slot)  # it may have reported before dying
-            code = slot.process.exitcode
-            slot.conn.close()
-            self.sweep_worker_files(slot.process.pid)
-            if slot.task is not None:
-                self._settle_unreported_task(slot)
-            if not slot.ready and code is not None and code >= 0:
-                # It ended by itself before booting (a crash in an import, say): respawning would
-                # loop. Killed by a signal (code < 0) is a death like any other.
-                raise DaemonStop(
-                    f"a worker exited with code {code} before it booted; see {self.paths.log}", EXIT_WORKER_BOOT
-                )
-            self._restarts.append(now)
-            while self._restarts and self._restarts[0] < now - _RESTART_WINDOW_S:
-                self._restarts.popleft()
-            if len(self._restarts) > self.config.max_worker_restarts:
-                raise DaemonStop(
-                    f"{len(self._restarts)} workers died within {_RESTART_WINDOW_S:.0f} s (last exit code {code}); "
-                    f"stopping instead of restarting forever; see {self.paths.log}",
-                    EXIT_WORKER_CRASHES,
-                )
-            log.warning("worker pid %d died (exit code %s); starting a new one", slot.process.pid, code)
+            if not slot.reaped:  # once: a spawn that failed (out of descriptors) is retried next turn
+                self._reap(slot, now)
+            self._poller = None  # before the spawn: a dead slot's closed pipe must not stay registered
             self.workers[i] = self.spawn_worker()
-            self._poller = None
+
+    def _reap(self, slot: WorkerSlot, now: float) -> None:
+        """Account for a dead worker: its last reports, its files, its task, the restart budget."""
+        self.collect_results(slot)  # it may have reported before dying
+        code = slot.process.exitcode
+        slot.conn.close()
+        self.sweep_worker_files(slot.process.pid)
+        if slot.task is not None:
+            self._settle_unreported_task(slot)
+        if not slot.ready and code is not None and code >= 0:
+            # It ended by itself before booting (a crash in an import, say): respawning would
+            # loop. Killed by a signal (code < 0) is a death like any other.
+            raise DaemonStop(
+                f"a worker exited with code {code} before it booted; see {self.paths.log}", EXIT_WORKER_BOOT
+            )
+        self._restarts.append(now)
+        while self._restarts and self._restarts[0] < now - _RESTART_WINDOW_S:
+            self._restarts.popleft()
+        if len(self._restarts) > self.config.max_worker_restarts:
+            raise DaemonStop(
+                f"{len(self._restarts)} workers died within {_RESTART_WINDOW_S:.0f} s (last exit code {code}); "
+                f"stopping instead of restarting forever; see {self.paths.log}",
+                EXIT_WORKER_CRASHES,
+            )
+        log.warning("worker pid %d died (exit code %s); starting a new one", slot.process.pid, code)
+        slot.reaped = True
 
     def sweep_worker_files(self, pid: int) -> None:
         """Remove a dead worker's temporary files (``tmp/<batch>.<pid>``). Its own ``finally``
@@ -555,6 +595,16 @@ class Master:
             return
         self.scheduler.task_abandoned(rank, index)
         if not slot.hung:
+            # A worker that dies making the same batch again and again (a sample that crashes
+            # the decoder, a callable that exits) must not loop forever below the restart rate.
+            self._deaths[(rank, index)] += 1
+            if self._deaths[(rank, index)] >= _TASK_DEATHS:
+                raise DaemonStop(
+                    f"the worker making batch e{epoch} s{step} r{rank} died {_TASK_DEATHS} times (last exit code "
+                    f"{slot.process.exitcode}){slot.making_text()}: a sample of it crashes its process (a broken "
+                    f"file and a native decoder, or a [pipeline] callable that exits); see {self.paths.log}",
+                    EXIT_WORKER_CRASHES,
+                )
             return
         self._attempts[(rank, index)] += 1
         if self._attempts[(rank, index)] >= _TASK_ATTEMPTS:
@@ -594,6 +644,8 @@ class Master:
             self._retry_after.pop(task, None)
             rank, index = task
             epoch, step = self.plan.unlinear(index)
+            if epoch > MAX_EPOCH:  # a window reaching past the last epoch a batch name can hold
+                return
             try:
                 slot.conn.send_bytes(json.dumps({"op": "produce", "epoch": epoch, "step": step, "rank": rank}).encode())
             except OSError:
@@ -763,8 +815,9 @@ class Master:
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
         for slot in self.workers:
-            poller.register(slot.conn.fileno(), zmq.POLLIN)
-            poller.register(slot.process.sentinel, zmq.POLLIN)
+            if not slot.conn.closed:  # a reaped slot whose replacement could not be spawned yet
+                poller.register(slot.conn.fileno(), zmq.POLLIN)
+                poller.register(slot.process.sentinel, zmq.POLLIN)
         return poller
 
     def handle_signal(self, signum: int, frame) -> None:
@@ -877,6 +930,14 @@ def _write_json(path, data: dict) -> None:
     with os.fdopen(fd, "w") as f:
         json.dump(data, f, indent=1)
     os.replace(tmp, path)
+
+
+def _decode_worker_message(data: bytes) -> dict | None:
+    try:
+        msg = json.loads(data)
+    except (ValueError, RecursionError):
+        return None
+    return msg if isinstance(msg, dict) and isinstance(msg.get("op"), str) else None
 
 
 def _raise_descriptor_limit() -> None:

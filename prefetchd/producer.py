@@ -189,7 +189,15 @@ class BatchProducer:
             if self._image is not None:
                 self._image.apply(path, rng, arrays["image"][slot])
             else:
-                for key, value in self._run_user_fn(sid, rng).items():
+                out = self._run_user_fn(sid, rng)
+                if out.keys() != arrays.keys() - {"label", "index"}:
+                    # A key left out would keep the last batch's value in the reused buffer: the
+                    # batch's bytes would depend on which worker made it. A bad sample instead.
+                    raise ValueError(
+                        f"{self.spec.pipeline} returned keys {sorted(out)}, but its first sample had "
+                        f"{sorted(arrays.keys() - {'label', 'index'})}"
+                    )
+                for key, value in out.items():
                     arrays[key][slot] = value
             arrays["index"][slot] = sid
             arrays["label"][slot] = self.index.labels[sid]

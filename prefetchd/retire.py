@@ -15,6 +15,7 @@ A daemon killed with retired files keeps nothing in memory: the next one finds t
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import itertools
 import os
@@ -62,6 +63,17 @@ class RetiredBatches:
         except FileNotFoundError:
             self.pinned.pop(path.name, None)
             return True
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            # Out of descriptors: count it as pinned (its blocks, read without a descriptor) and
+            # try again with the pinned ones; left out of the ledger it would stay past the bound.
+            try:
+                self.pinned[path.name] = os.lstat(path).st_blocks * 512
+            except FileNotFoundError:
+                self.pinned.pop(path.name, None)
+                return True
+            return False
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

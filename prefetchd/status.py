@@ -33,18 +33,35 @@ class Rates:
             self.events.popleft()
 
 
-def job_status(m) -> dict:
-    """What `prefetchd status` shows: the buffer, each rank, rates, sources, totals."""
-    now = time.monotonic()
-    size = m.layout.size
-    fs_bytes = 0  # blocks allocated, as the filesystem reports them
+_FILES_SCAN_S = 0.5  # status requests in a flood share one scan of the folders
+
+
+def _files_bytes(m, now: float) -> int:
+    """Blocks allocated to the buffer's files, as the filesystem reports them; each file once
+    (a batch linked into batches/ still has its tmp/ name until its worker unlinks it)."""
+    scanned_at, fs_bytes = m._files_scan
+    if now - scanned_at < _FILES_SCAN_S:
+        return fs_bytes
+    fs_bytes, seen = 0, set()
     for folder in (m.paths.batch_dir, m.paths.tmp_dir, m.paths.retired_dir):
         with os.scandir(folder) as entries:
             for e in entries:
                 try:
-                    fs_bytes += e.stat(follow_symlinks=False).st_blocks * 512
+                    st = e.stat(follow_symlinks=False)
                 except FileNotFoundError:
-                    pass
+                    continue
+                if st.st_ino not in seen:
+                    seen.add(st.st_ino)
+                    fs_bytes += st.st_blocks * 512
+    m._files_scan = (now, fs_bytes)
+    return fs_bytes
+
+
+def job_status(m) -> dict:
+    """What `prefetchd status` shows: the buffer, each rank, rates, sources, totals."""
+    now = time.monotonic()
+    size = m.layout.size
+    fs_bytes = _files_bytes(m, now)
     ranks = []
     for r, state in enumerate(m.scheduler.ranks):
         epoch, step = m.plan.unlinear(state.position)

@@ -15,6 +15,7 @@ small JSON spec. Messages on the pipe are JSON in both directions:
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import os
@@ -28,7 +29,8 @@ from .producer import BatchProducer, ProducerSpec, SampleError, SampleProgress
 _PARENT_CHECK_S = 1.0
 
 
-_HEARTBEAT_S = 1.0
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+HEARTBEAT_S = 1.0  # also the granularity at which the master hears progress
 _send_lock = threading.Lock()  # the heartbeat thread and the main loop share the pipe
 
 
@@ -43,7 +45,7 @@ def _send_heartbeats(conn, progress: SampleProgress) -> None:
     call that releases the GIL beats on, but its sample count stops moving. Either way the
     master kills and replaces it."""
     while True:
-        time.sleep(_HEARTBEAT_S)
+        time.sleep(HEARTBEAT_S)
         current = progress.current
         sample = None if current is None else [current[0], _printable(current[1])]
         beat = {"op": "heartbeat", "samples": progress.finished, "sample": sample}
@@ -58,10 +60,22 @@ def _printable(path: str) -> str:
     return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
+def _die_with_the_master() -> None:
+    """Ask the kernel for SIGKILL when the master dies: a worker blocked in a sample (a hung
+    mount) never gets back to checking its parent, and would hold its tmp file and the index
+    after a kill -9 of the master. Linux only; elsewhere the parent check between tasks remains."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 def worker_main(spec_json: str, conn, nice: int = 0) -> None:
     # Ctrl-C in a foreground daemon reaches the whole process group; the master alone
     # decides how workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_the_master()
     # Below the trainer: when its threads wake (a step ends, a batch is wanted) they get a
     # core at once instead of queueing behind augmentation for a scheduler tick or two.
     os.nice(nice)

@@ -221,3 +221,38 @@ def test_a_loop_resuming_an_end_of_epoch_state_in_the_epoch_it_finished_replays_
     mid.set_epoch(1)
     assert [batch["index"].tolist() for batch in mid] == seen[1][2:]
     mid.close()
+
+
+def _symlink_loop(tmp_path: Path) -> str:
+    os.symlink(tmp_path / "loop", tmp_path / "loop")
+    return "loop"
+
+
+@pytest.mark.parametrize(
+    "flags, code, words",
+    [
+        (lambda tmp: ["--data", _symlink_loop(tmp)], 2, "cannot resolve the path"),
+        (lambda tmp: ["--world-size", "1000000000000"], 2, "world_size / --world-size must be at most"),
+        (lambda tmp: ["--root", os.fsdecode(b"/dev/shm/prefetchd-test-\xfe")], 4, "not UTF-8"),
+        (lambda tmp: ["--root", "/dev/shm/" + "r" * 100], 4, "Unix socket path"),
+        (lambda tmp: ["--buffer", "1000T", "--root", str(tmp / "fresh-root")], 2, "exceeds"),
+    ],
+    ids=["data-symlink-loop", "huge-world-size", "non-utf8-root", "long-root", "failed-start-fresh-root"],
+)
+def test_start_failures_found_by_an_attack_are_one_message_and_a_named_code(
+    tmp_path, jpeg_folder, job_root, monkeypatch, flags, code, words
+):
+    monkeypatch.chdir(tmp_path)
+    extra = flags(tmp_path)
+    data = [] if "--data" in extra else ["--data", str(jpeg_folder)]
+    result = cli("start", *data, "--buffer", "1M", "--workers", "1", *extra)
+    assert result.returncode == code, result.stderr
+    assert words in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "fresh-root").exists()  # a failed start leaves no root it created
+
+
+def test_a_config_file_that_is_a_fifo_is_refused_at_once(tmp_path, job_root):
+    fifo = tmp_path / "job.toml"
+    os.mkfifo(fifo)
+    result = cli("start", str(fifo), timeout=20)
+    assert result.returncode == 2 and "not a regular file" in result.stderr
