@@ -13,7 +13,15 @@ import os
 import shutil
 from pathlib import Path
 
-from prefetchd_client.layout import LOCK, JobPaths, UnsafeFolder, check_folders_above, open_private_dir, read_manifest
+from prefetchd_client.layout import (
+    DIR_FLAGS,
+    LOCK,
+    JobPaths,
+    UnsafeFolder,
+    check_folders_above,
+    open_private_dir,
+    read_manifest,
+)
 
 from .errors import JobError
 
@@ -28,12 +36,10 @@ def ensure_private_dir(path: Path, what: str, *, dir_fd: int | None = None) -> i
     every entry point runs (prefetchd_client.layout.open_private_dir).
     """
     try:
-        if dir_fd is None:  # nothing is made under folders that someone else could swap
-            check_folders_above(path, what)
-        try:
-            os.mkdir(path.name if dir_fd is not None else path, 0o700, dir_fd=dir_fd)
-        except FileExistsError:
-            pass
+        os.mkdir(path.name if dir_fd is not None else path, 0o700, dir_fd=dir_fd)
+    except FileExistsError:
+        pass
+    try:  # the folders above were checked by JobDir.acquire before anything was made
         return open_private_dir(path, what, dir_fd=dir_fd)
     except UnsafeFolder as exc:
         raise JobError(str(exc)) from None
@@ -138,14 +144,14 @@ class JobDir:
         """The folder (``whole``), or the ``entries(dir_fd)`` it names in it. A root or folder
         that is gone, or is a symlink now, is not ours to delete in: nothing is."""
         try:
-            root_fd = os.open(self.paths.dir.parent, _DIR_FLAGS)
+            root_fd = os.open(self.paths.dir.parent, DIR_FLAGS)
         except OSError:
             return
         try:
             if whole:
                 shutil.rmtree(self.paths.name, ignore_errors=True, dir_fd=root_fd)
                 return
-            dir_fd = os.open(self.paths.name, _DIR_FLAGS, dir_fd=root_fd)
+            dir_fd = os.open(self.paths.name, DIR_FLAGS, dir_fd=root_fd)
         except OSError:
             return
         finally:
@@ -178,9 +184,6 @@ class JobDir:
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
-
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def _entry_identities(folder: Path | int) -> dict[str, tuple[int, int]]:

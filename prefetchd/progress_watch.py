@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import os
 import queue
-import stat
 
 from watchdog.events import FileSystemEventHandler
 from watchdog.observers import Observer
 
-from prefetchd_client.layout import parse_progress, parse_progress_name
+from prefetchd_client.layout import parse_progress, parse_progress_name, read_regular_file
 
 MAX_PROGRESS_BYTES = 64  # "<epoch> <step>\n" needs at most 30
 
@@ -67,20 +66,13 @@ class ProgressWatcher:
         """
         path = os.path.join(self.folder, f"rank-{rank}")
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            data = read_regular_file(path, MAX_PROGRESS_BYTES)
         except FileNotFoundError:
             return None
-        except OSError as exc:  # ELOOP for a symlink, EMFILE, ...
+        except ValueError as exc:
+            raise BadProgressFile(str(exc)) from None
+        except OSError as exc:  # EMFILE, ...
             raise BadProgressFile(f"{path}: cannot open ({os.strerror(exc.errno)})") from None
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise BadProgressFile(f"{path}: not a regular file")
-            data = os.read(fd, MAX_PROGRESS_BYTES + 1)
-        finally:
-            os.close(fd)
-        if len(data) > MAX_PROGRESS_BYTES:
-            raise BadProgressFile(f"{path}: longer than {MAX_PROGRESS_BYTES} bytes")
         try:
             return parse_progress(data.decode("ascii"))
         except (UnicodeDecodeError, ValueError) as exc:

@@ -10,13 +10,11 @@ pass, and the result says so with both digests.
 from __future__ import annotations
 
 import json
-import os
-import stat
 
 import numpy as np
 
 from prefetchd_client.batchfile import BatchFormatError, map_batch
-from prefetchd_client.layout import JobPaths, read_manifest
+from prefetchd_client.layout import JobPaths, read_manifest, read_regular_file
 
 from .errors import JobError
 from .producer import PRODUCER_SPEC, BatchProducer, ProducerSpec
@@ -29,17 +27,13 @@ def _read_spec(paths: JobPaths) -> ProducerSpec:
     fields of a ProducerSpec; JobError otherwise."""
     path = paths.dir / PRODUCER_SPEC
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        data = read_regular_file(path, _MAX_SPEC_BYTES)
     except FileNotFoundError:
         raise
+    except ValueError as exc:
+        raise JobError(f"{exc}; a daemon never writes that: restart the job") from None
     except OSError as exc:
         raise JobError(f"cannot read {path}: {exc.strerror}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise JobError(f"{path} is not a regular file; a daemon never writes that: restart the job")
-        data = os.read(fd, _MAX_SPEC_BYTES)
-    finally:
-        os.close(fd)
     try:
         return ProducerSpec(**json.loads(data))
     except (ValueError, RecursionError, TypeError) as exc:

@@ -53,7 +53,7 @@ _BATCH_NAME = re.compile(r"^e(\d{6})-s(\d{8})-r(\d{4})\.batch$")
 _PROGRESS_NAME = re.compile(r"^rank-(\d{1,4})$")
 # A folder is opened as a folder, never through a symlink: O_NOFOLLOW fails on one (ENOTDIR
 # with O_DIRECTORY, ELOOP without), so what was checked is what is used afterwards.
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a FIFO never blocks open()
 _WRITABLE_BY_OTHERS = 0o022
 _MAX_MANIFEST_BYTES = 1 << 20
@@ -162,7 +162,7 @@ def open_private_dir(path: Path, what: str, *, dir_fd: int | None = None) -> int
     if dir_fd is None:
         check_folders_above(path, what)
     try:
-        fd = os.open(path.name if dir_fd is not None else path, _DIR_FLAGS, dir_fd=dir_fd)
+        fd = os.open(path.name if dir_fd is not None else path, DIR_FLAGS, dir_fd=dir_fd)
     except OSError as exc:
         if exc.errno not in (errno.ENOTDIR, errno.ELOOP):
             raise
@@ -460,7 +460,7 @@ def trainer_state(paths: JobPaths, rank: int) -> str:
     # O_NONBLOCK: a FIFO planted under the name must not block the daemon in open();
     # only a regular file can be a trainer's lock (a symlink fails with ELOOP: OSError).
     try:
-        fd = os.open(paths.trainer_lock(rank), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(paths.trainer_lock(rank), _FILE_FLAGS)
     except FileNotFoundError:
         return "never"
     try:
@@ -477,6 +477,27 @@ def trainer_state(paths: JobPaths, rank: int) -> str:
         os.close(fd)  # closing drops our probe's lock too
 
 
+def read_regular_file(path: str | os.PathLike, max_bytes: int, *, dir_fd: int | None = None) -> bytes:
+    """The bytes of a file a peer could have planted: opened without following a symlink or
+    blocking on a FIFO, and only a regular file of at most ``max_bytes``. FileNotFoundError
+    when it is absent; ValueError saying why for the rest; other OSErrors (EMFILE) as raised."""
+    try:
+        fd = os.open(path, _FILE_FLAGS, dir_fd=dir_fd)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError(f"{path} is a symlink, which no daemon writes or reads") from None
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        data = os.read(fd, max_bytes + 1)
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise ValueError(f"{path} is longer than {max_bytes} bytes")
+    return data
+
+
 def read_manifest(paths: JobPaths, *, dir_fd: int | None = None) -> dict:
     """The manifest as a dict; FileNotFoundError when the job is not serving, ValueError for
     anything that is not a regular file holding one JSON object (deep nesting included).
@@ -484,20 +505,7 @@ def read_manifest(paths: JobPaths, *, dir_fd: int | None = None) -> dict:
     With ``dir_fd`` (``OpenJob.dir_fd``) it is read in the folder that was checked. Its
     values are not checked here: ``check_manifest`` does, for those who use them.
     """
-    try:
-        fd = os.open(MANIFEST if dir_fd is not None else paths.manifest, _FILE_FLAGS, dir_fd=dir_fd)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise ValueError(f"{paths.manifest} is a symlink, which no daemon writes") from None
-        raise
-    try:  # fstat before fdopen: a folder under the name must be a ValueError, not IsADirectoryError
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{paths.manifest} is not a regular file")
-        data = os.read(fd, _MAX_MANIFEST_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(data) > _MAX_MANIFEST_BYTES:
-        raise ValueError(f"{paths.manifest} is larger than {_MAX_MANIFEST_BYTES} bytes")
+    data = read_regular_file(MANIFEST if dir_fd is not None else paths.manifest, _MAX_MANIFEST_BYTES, dir_fd=dir_fd)
     try:
         manifest = json.loads(data)
     except (ValueError, RecursionError) as exc:  # RecursionError: a few thousand nested '['
