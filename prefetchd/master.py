@@ -27,7 +27,7 @@ from prefetchd_client.layout import MAX_EPOCH, JobPaths, parse_batch_name, train
 
 from . import control
 from .config import Config, content_hash, plan_digest
-from .errors import ConfigError, DataError, JobError, UserError
+from .errors import ConfigError, DaemonStop, DataError, ExitCode, JobError, UserError
 from .jobdir import JobDir
 from .plan import Plan
 from .producer import PRODUCER_SPEC, ProducerSpec, builtin_fields, plan_layout
@@ -40,14 +40,6 @@ from .status import Rates, job_status
 from .worker import HEARTBEAT_S, worker_main
 
 log = logging.getLogger("prefetchd")
-
-# Named exit codes of the daemon process.
-EXIT_OK = 0
-EXIT_WORKER_BOOT = 5
-EXIT_SAMPLE_ERROR = 6
-EXIT_WORKER_CRASHES = 7
-EXIT_TASK_ERROR = 8
-EXIT_BAD_DATA = 9
 
 _WORKER_BOOT_TIMEOUT_S = 120.0
 _WORKER_STOP_TIMEOUT_S = 5.0
@@ -70,14 +62,6 @@ _OUT_OF_DESCRIPTORS_S = 0.5  # pause after EMFILE/ENFILE: let peers' connections
 
 class OutsidePlan(control.BadMessage):
     """A reported position that no batch of the plan has."""
-
-
-class DaemonStop(Exception):
-    """Stops the daemon with a message and a named exit code."""
-
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 @dataclass
@@ -319,7 +303,9 @@ class Master:
         if msg["op"] == "boot_failed":
             log.error("worker failed to boot:\n%s", msg["error"])
             last = msg["error"].strip().splitlines()[-1]
-            raise DaemonStop(f"a worker could not start: {last} (full traceback in {self.paths.log})", EXIT_WORKER_BOOT)
+            raise DaemonStop(
+                f"a worker could not start: {last} (full traceback in {self.paths.log})", ExitCode.WORKER_BOOT
+            )
 
     def _write_manifest(self) -> None:
         cfg = self.config
@@ -442,7 +428,7 @@ class Master:
             raise DaemonStop(
                 f"{msg['longest_bad_run']} unreadable samples in a row (the last: {msg['replaced'][-1]['path']}); "
                 f"is the data intact? see {self.paths.log}",
-                EXIT_BAD_DATA,
+                ExitCode.BAD_DATA,
             )
         if (
             self.samples_produced >= _BAD_RATE_MIN_SAMPLES
@@ -451,7 +437,7 @@ class Master:
             raise DaemonStop(
                 f"{self.bad_samples} of {self.samples_produced} samples were unreadable, more than "
                 f"--max-bad-rate {self.config.max_bad_rate}; see {self.paths.log} for their paths",
-                EXIT_BAD_DATA,
+                ExitCode.BAD_DATA,
             )
 
     def _on_batch_failed(self, slot: WorkerSlot, msg: dict) -> None:
@@ -461,7 +447,7 @@ class Master:
         epoch, step = self.plan.unlinear(index)
         if msg["sample"]:
             log.error("bad sample in batch e%d s%d r%d: %s", epoch, step, rank, msg["error"])
-            raise DaemonStop(f"cannot read a sample: {msg['error']}", EXIT_SAMPLE_ERROR)
+            raise DaemonStop(f"cannot read a sample: {msg['error']}", ExitCode.SAMPLE_ERROR)
         if msg.get("nospace"):
             self._back_off_no_space(msg["error"])
             return
@@ -471,7 +457,9 @@ class Master:
         )
         if self._attempts[(rank, index)] >= _TASK_ATTEMPTS:
             last = msg["error"].strip().splitlines()[-1]
-            raise DaemonStop(f"batch e{epoch} s{step} r{rank} failed {_TASK_ATTEMPTS} times: {last}", EXIT_TASK_ERROR)
+            raise DaemonStop(
+                f"batch e{epoch} s{step} r{rank} failed {_TASK_ATTEMPTS} times: {last}", ExitCode.TASK_ERROR
+            )
         self._retry_after[(rank, index)] = time.monotonic() + 0.5 * self._attempts[(rank, index)]
 
     def _back_off_no_space(self, error: str) -> None:
@@ -543,7 +531,7 @@ class Master:
             # It ended by itself before booting (a crash in an import, say): respawning would
             # loop. Killed by a signal (code < 0) is a death like any other.
             raise DaemonStop(
-                f"a worker exited with code {code} before it booted; see {self.paths.log}", EXIT_WORKER_BOOT
+                f"a worker exited with code {code} before it booted; see {self.paths.log}", ExitCode.WORKER_BOOT
             )
         self._restarts.append(now)
         while self._restarts and self._restarts[0] < now - _RESTART_WINDOW_S:
@@ -552,7 +540,7 @@ class Master:
             raise DaemonStop(
                 f"{len(self._restarts)} workers died within {_RESTART_WINDOW_S:.0f} s (last exit code {code}); "
                 f"stopping instead of restarting forever; see {self.paths.log}",
-                EXIT_WORKER_CRASHES,
+                ExitCode.WORKER_CRASHES,
             )
         log.warning("worker pid %d died (exit code %s); starting a new one", slot.process.pid, code)
         slot.reaped = True
@@ -603,7 +591,7 @@ class Master:
                     f"the worker making batch e{epoch} s{step} r{rank} died {_TASK_DEATHS} times (last exit code "
                     f"{slot.process.exitcode}){slot.making_text()}: a sample of it crashes its process (a broken "
                     f"file and a native decoder, or a [pipeline] callable that exits); see {self.paths.log}",
-                    EXIT_WORKER_CRASHES,
+                    ExitCode.WORKER_CRASHES,
                 )
             return
         self._attempts[(rank, index)] += 1
@@ -613,7 +601,7 @@ class Master:
                 f"{self.config.worker_timeout:g} s, {_TASK_ATTEMPTS} times{slot.making_text()}: a sample of it "
                 "blocks (a read on a hung network mount?) or takes longer than --worker-timeout; fix the data "
                 f"source, or raise --worker-timeout above the slowest sample; see {self.paths.log}",
-                EXIT_TASK_ERROR,
+                ExitCode.TASK_ERROR,
             )
 
     def assign_tasks(self) -> None:
@@ -766,7 +754,7 @@ class Master:
             return self.status()
         if msg["op"] == "stop":
             self.keep = self.keep or msg.get("keep", False)
-            self.stop_reason = DaemonStop("stop requested", EXIT_OK)
+            self.stop_reason = DaemonStop("stop requested", ExitCode.OK)
         return {"ok": True, "pid": os.getpid()}
 
     def check_trainers(self) -> None:
@@ -830,7 +818,7 @@ class Master:
             while self.stop_reason is None:
                 if self._signals:
                     log.info("signal %d: stopping", self._signals.popleft())
-                    self.stop_reason = DaemonStop("signal", EXIT_OK)
+                    self.stop_reason = DaemonStop("signal", ExitCode.OK)
                     break
                 try:
                     self.run_once()
@@ -842,7 +830,7 @@ class Master:
             self.stop_reason = stop
         except Exception as exc:  # a bug: log it fully, stop cleanly
             log.exception("internal error")
-            self.stop_reason = DaemonStop(f"internal error: {exc!r}; see {self.paths.log}", 70)
+            self.stop_reason = DaemonStop(f"internal error: {exc!r}; see {self.paths.log}", ExitCode.INTERNAL)
         self.shutdown()
         return self.stop_reason.exit_code
 
@@ -910,7 +898,7 @@ class Master:
         log.info(
             "stopped (produced %d, deleted %d, peak %s)", self.produced, self.deleted, format_size(self.peak_bytes)
         )
-        failed = self.stop_reason is not None and self.stop_reason.exit_code != EXIT_OK
+        failed = self.stop_reason is not None and self.stop_reason.exit_code != ExitCode.OK
         if failed:
             log.error("stopped: %s", self.stop_reason)
         if self.keep:

@@ -102,6 +102,7 @@ def job_status(m) -> dict:
             "count": len(m.workers),
             "busy": sum(s.task is not None for s in m.workers),
             "restarts": len(m._restarts),
+            "pids": [s.process.pid for s in m.workers],
         },
         "rates": {
             "produced_batches_per_s": round(produced_per_s, 2),
