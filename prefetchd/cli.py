@@ -3,10 +3,12 @@ turns a UserError into its message and exit code (never a traceback)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import stat
 import sys
+import time
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -25,12 +27,13 @@ from prefetchd_client.layout import (
     open_job,
     open_private_dir,
     read_manifest,
+    read_stopped,
     resolve_root,
 )
 
-from . import control
+from . import control, settings
 from .config import load_config
-from .errors import JobError, UserError
+from .errors import DaemonStop, ExitCode, JobError, UserError, error_from_json
 from .sizes import format_size
 
 app = typer.Typer(
@@ -48,7 +51,7 @@ RootOpt = Annotated[
 def _fail(exc: UserError) -> typer.Exit:
     # escape: the message names keys like "[daemon] endpoint", which rich would read as markup
     err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-    return typer.Exit(exc.exit_code)
+    return typer.Exit(int(exc.exit_code))
 
 
 def _job_paths(job: str, root: Optional[Path]) -> JobPaths:
@@ -90,79 +93,55 @@ def _open_job(paths: JobPaths) -> OpenJob:
         raise _fail(JobError(str(exc))) from None
 
 
+def _option_help(s: settings.Setting) -> str:
+    default = s.shown_default()
+    return s.help[0].upper() + s.help[1:] + (f" [default: {default}]" if default else "")
+
+
+def _setting_options(command):
+    """Give ``command`` a flag for every config key (prefetchd.settings), after its first
+    parameter; the flags reach it in ``**flags``. Typer reads the parameters from
+    ``inspect.signature``, which returns ``__signature__`` when a function has one."""
+    own = [p for p in inspect.signature(command, eval_str=True).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    keys = [
+        inspect.Parameter(
+            s.option,
+            inspect.Parameter.KEYWORD_ONLY,
+            default=None,  # None: not given, the file's value (or the key's default) stands
+            annotation=Annotated[
+                Optional[s.types[0]],
+                typer.Option(
+                    s.flag_decls,
+                    # escaped: "[[transform]]" and "[default: ...]" would be rich markup, and vanish
+                    help=escape(_option_help(s)),
+                    show_default=False,  # the default is in the help: typer would show None, the "not given"
+                    metavar=s.metavar or None,
+                ),
+            ],
+        )
+        for s in settings.SETTINGS
+    ]
+    command.__signature__ = inspect.Signature([own[0], *keys, *own[1:]])
+    return command
+
+
 @app.command()
+@_setting_options
 def start(
     config: Annotated[Optional[Path], typer.Argument(help="TOML config (see configs/)")] = None,
-    buffer: Annotated[Optional[str], typer.Option(help="Byte bound of the buffer, e.g. 30G")] = None,
-    workers: Annotated[Optional[int], typer.Option(help="Worker processes [default: cores - 1]")] = None,
-    retain: Annotated[Optional[int], typer.Option(help="Consumed batches kept per rank, for warm restarts [2]")] = None,
-    on_error: Annotated[Optional[str], typer.Option(help="A bad sample: replace (default) or fail")] = None,
-    max_bad_rate: Annotated[
-        Optional[float], typer.Option(help="Stop when more samples than this are bad [0.25]")
-    ] = None,
-    worker_timeout: Annotated[
-        Optional[float],
-        typer.Option(
-            help="Seconds a busy worker may finish no sample (any worker: send no heartbeat) before it is "
-            "replaced; above your slowest sample [60]"
-        ),
-    ] = None,
-    max_worker_restarts: Annotated[
-        Optional[int], typer.Option(help="Worker deaths tolerated per minute before stopping [20]")
-    ] = None,
-    worker_nice: Annotated[
-        Optional[int], typer.Option(help="Workers' CPU niceness, 0-19: below the trainer's threads [10]")
-    ] = None,
-    on_trainer_exit: Annotated[
-        Optional[str], typer.Option(help="A rank's trainer is gone: keep its window (default) or release it")
-    ] = None,
-    endpoint: Annotated[
-        Optional[str],
-        typer.Option(help="Control socket: ipc (default) or tcp://HOST:PORT, loopback unless CURVE is configured"),
-    ] = None,
-    curve_secret_key: Annotated[
-        Optional[str], typer.Option(help="CURVE: the server's secret certificate (mode 0600) for a TCP endpoint")
-    ] = None,
-    curve_authorized_keys: Annotated[
-        Optional[str], typer.Option(help="CURVE: folder of the authorised clients' public certificates (*.key)")
-    ] = None,
-    name: Annotated[Optional[str], typer.Option(help="Job name [default: config's, else its file name]")] = None,
-    seed: Annotated[Optional[int], typer.Option()] = None,
-    world_size: Annotated[Optional[int], typer.Option(help="Trainer ranks that read this job")] = None,
-    batch_size: Annotated[Optional[int], typer.Option(help="Samples per batch, per rank")] = None,
-    drop_last: Annotated[Optional[bool], typer.Option("--drop-last/--no-drop-last")] = None,
-    decoder: Annotated[
-        Optional[str], typer.Option(help="JPEG decoder: pillow (default) or simplejpeg (the fast extra)")
-    ] = None,
+    *,
     data: Annotated[Optional[str], typer.Option(help="Data folder (or file list) of the only source")] = None,
     root: RootOpt = None,
     foreground: Annotated[bool, typer.Option("--foreground", help="Stay attached (containers, systemd)")] = False,
     keep: Annotated[bool, typer.Option("--keep", help="Keep the job directory when the daemon stops")] = False,
+    **flags,
 ) -> None:
-    """Start a job's daemon; returns once it serves, printing its job dir and pid."""
+    """Start a job's daemon; returns once it serves, printing its job dir and pid.
+
+    Every config key is also a flag, and the flag wins over the file."""
     from .daemon import start_detached
 
-    overrides = dict(
-        buffer=buffer,
-        workers=workers,
-        retain=retain,
-        on_error=on_error,
-        max_bad_rate=max_bad_rate,
-        worker_timeout=worker_timeout,
-        max_worker_restarts=max_worker_restarts,
-        worker_nice=worker_nice,
-        on_trainer_exit=on_trainer_exit,
-        endpoint=endpoint,
-        curve_secret_key=curve_secret_key,
-        curve_authorized_keys=curve_authorized_keys,
-        name=name,
-        decoder=decoder,
-        seed=seed,
-        world_size=world_size,
-        batch_size=batch_size,
-        drop_last=drop_last,
-        data=data,
-    )
+    overrides = {s.option: flags[s.option] for s in settings.SETTINGS} | {"data": data}
     try:
         cfg = load_config(config, overrides)
         paths = _job_paths(cfg.name, root)
@@ -182,26 +161,25 @@ def start(
 
 def _serve_in_foreground(cfg, paths: JobPaths, keep: bool) -> None:
     """Run the daemon in this process until it stops. A failure, at start-up or later, raises
-    UserError with the daemon's own message and exit code: under systemd or in a container
-    this is the only place where the reason shows."""
+    the daemon's own error (its message, its exit code, rebuilt from the report a detached
+    start reads too): under systemd or in a container this is the only place where the
+    reason shows."""
     from .daemon import serve
 
-    failure: dict = {}
+    failures: list[UserError] = []
 
     def notify(msg: dict) -> None:
         if msg["ok"]:
             err.print(f"job {cfg.name} serving at {paths.dir} (pid {msg['pid']}); Ctrl-C stops it")
         else:
-            failure.update(msg)
+            failures.append(error_from_json(msg["error"]))
 
-    def on_stop(reason: str, code: int) -> None:
-        failure.update(error=f"the daemon stopped: {reason}", exit_code=code)
+    def on_stop(stop: DaemonStop) -> None:
+        failures.append(DaemonStop(f"the daemon stopped: {stop}", stop.exit_code))
 
     code = serve(cfg, paths, keep=keep, notify=notify, detach_output=False, on_stop=on_stop)
     if code:
-        error = UserError(failure.get("error") or f"the daemon stopped with exit code {code}")
-        error.exit_code = code
-        raise error
+        raise failures[0] if failures else DaemonStop(f"the daemon stopped with exit code {code}", ExitCode(code))
 
 
 def _job_status(paths: JobPaths) -> dict:
@@ -215,7 +193,17 @@ def _job_status(paths: JobPaths) -> dict:
         return {"job": paths.name, "state": "refused", "job_dir": str(paths.dir), "error": str(exc)}
     with job:
         if not daemon_alive(paths, dir_fd=job.dir_fd):
-            return {"job": paths.name, "state": "not running", "job_dir": str(paths.dir)}
+            stopped = read_stopped(paths, dir_fd=job.dir_fd)  # why, when it stopped on an error
+            if stopped is None:
+                return {"job": paths.name, "state": "not running", "job_dir": str(paths.dir)}
+            return {
+                "job": paths.name,
+                "state": "stopped",
+                "job_dir": str(paths.dir),
+                "error": stopped["message"],
+                "exit_code": stopped["exit_code"],
+                "stopped_at": stopped["stopped_at"],
+            }
         try:  # at the endpoint in its manifest: ipc, or TCP (with CURVE when the manifest has a server key)
             reply = control.request_job(paths, {"op": "status"}, timeout_s=3.0, dir_fd=job.dir_fd)
         except AuthError as exc:
@@ -236,6 +224,15 @@ def _print_status_fields(s: dict) -> None:
     out.print(f"[bold]{s['job']}[/]: {s['state']}  ({s['job_dir']})", highlight=False)
     if "error" in s:
         out.print(f"  {escape(s['error'])}", highlight=False)
+    if s["state"] == "stopped":
+        code = s["exit_code"]
+        name = ExitCode(code).name if code in ExitCode._value2member_map_ else "unknown"
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s["stopped_at"]))
+        out.print(
+            f"  exit code {code} ({name}) at {when}; fix the cause and start the job again, "
+            f"or remove its folder with `prefetchd stop {s['job']}`",
+            highlight=False,
+        )
     if s["state"] != "serving":
         return
     b, r = s["buffer"], s["rates"]

@@ -1,27 +1,21 @@
 """The job config: a TOML file, with every key overridable by a flag of ``prefetchd start``.
 
+Each key (its section, type, default, rule, help and flag) is declared once, in
+``prefetchd.settings``; this module reads a file and flags against that table and checks
+what spans several keys, the ``[[source]]`` and ``[[transform]]`` arrays. An example:
+
 ```toml
 [job]
-name = "imagenet"        # the job directory's name; default: the config file's stem
-seed = 0
-world_size = 8           # trainer ranks that read this job
-batch_size = 256         # per rank
-drop_last = true         # false: the last step is padded from the epoch's start
-decoder = "pillow"       # or "simplejpeg": libjpeg-turbo + OpenCV, pip install 'prefetchd[fast]'
+name = "imagenet"
+world_size = 8
+batch_size = 256
 
 [daemon]
-buffer = "30G"           # byte bound of the buffer (K, M, G, T = powers of 1024)
-workers = 15             # default: cores - 1, at least 1
-retain = 2               # consumed batches kept per rank: a restart a few steps back is warm
-on_error = "replace"     # a bad sample: "replace" it (recorded in the batch header) or "fail"
-max_bad_rate = 0.25      # stop when more of the samples than this are bad
-worker_timeout = 60      # seconds a busy worker may finish no sample (an idle one: send no heartbeat)
-max_worker_restarts = 20 # worker deaths tolerated per minute before the daemon stops
-worker_nice = 10         # workers' CPU niceness (0-19): a trainer's threads run first when they wake
-on_trainer_exit = "keep" # a rank's trainer process is gone: "keep" its window (warm restart) or "release" it
-endpoint = "ipc"         # the control socket; or "tcp://127.0.0.1:5555" (loopback unless CURVE is set)
-# curve_secret_key = "server.key_secret"  # CURVE: the server's secret certificate (mode 0600)
-# curve_authorized_keys = "clients/"      # CURVE: folder of authorised client public certificates (*.key)
+buffer = "30G"
+workers = 15
+# endpoint = "tcp://127.0.0.1:5555"        # loopback unless CURVE is set:
+# curve_secret_key = "server.key_secret"
+# curve_authorized_keys = "clients/"
 
 [[source]]
 kind = "image_folder"    # or "file_list" with path = "train.txt" ("path,label" lines)
@@ -30,7 +24,7 @@ root = "/data/imagenet/train"
 # weight = 0.7
 
 [mix]
-epoch = "cycle"          # or "first_exhausted", "all_once" (see prefetchd.plan)
+epoch = "cycle"
 
 [[transform]]            # in order; see prefetchd.transforms
 op = "random_resized_crop"
@@ -51,71 +45,51 @@ import json
 import math
 import os
 import tomllib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from prefetchd_client.batchfile import VERSION as BATCH_FORMAT_VERSION
-from prefetchd_client.layout import MAX_RANK, check_job_name
 from prefetchd_client.transport import load_secret_certificate, parse_tcp_endpoint
 
-from . import control, fastdecode, transforms
+from . import settings, transforms
+from .curve import load_authorized_keys
 from .errors import ConfigError
-from .plan import MIX_RULES
-from .sizes import parse_size
+from .settings import default_workers as default_workers  # scripts/bench.py imports it from here
 
-DEFAULT_BUFFER = "1G"
-DEFAULT_RETAIN = 2  # consumed batches kept per rank, so a restart a few steps back is warm
 # Without a config file: the usual ImageNet training crop.
 DEFAULT_TRANSFORMS = ({"op": "random_resized_crop", "size": 224}, {"op": "hflip"})
-_SECTIONS = {"job", "daemon", "source", "transform", "pipeline", "mix"}
-_JOB_KEYS = {"name": str, "seed": int, "world_size": int, "batch_size": int, "drop_last": bool, "decoder": str}
-_DAEMON_KEYS = {
-    "buffer": (str, int),
-    "workers": int,
-    "retain": int,
-    "on_error": str,
-    "max_bad_rate": (float, int),
-    "worker_timeout": (float, int),
-    "max_worker_restarts": int,
-    "worker_nice": int,
-    "on_trainer_exit": str,
-    "endpoint": str,
-    "curve_secret_key": str,
-    "curve_authorized_keys": str,
-}
-ON_TRAINER_EXIT = ("keep", "release")
-ON_ERROR = ("replace", "fail")
+_SECTIONS = {*settings.SECTIONS, "source", "transform"}
 _SOURCE_KEYS = {"image_folder": {"kind", "root", "name", "weight"}, "file_list": {"kind", "path", "name", "weight"}}
-
-
-def default_workers() -> int:
-    return max(1, (os.cpu_count() or 2) - 1)
 
 
 @dataclass(frozen=True)
 class Config:
+    """A checked job config. Build it with ``load_config`` or ``build_config``: the defaults
+    and rules of its key fields are those of ``prefetchd.settings`` (where each field's meaning
+    is too); ``sources`` and ``transforms`` are the checked arrays of tables."""
+
     name: str
-    seed: int = 0
-    world_size: int = 1
-    batch_size: int = 32
-    drop_last: bool = True
-    decoder: str = "pillow"
-    buffer_bytes: int = field(default_factory=lambda: parse_size(DEFAULT_BUFFER))
-    workers: int = field(default_factory=default_workers)
-    retain: int = DEFAULT_RETAIN
-    on_error: str = "replace"
-    max_bad_rate: float = 0.25
-    worker_timeout: float = 60.0
-    max_worker_restarts: int = 20
-    worker_nice: int = 10
-    on_trainer_exit: str = "keep"
-    endpoint: str = "ipc"
-    curve_secret_key: str | None = None
-    curve_authorized_keys: str | None = None
-    sources: tuple[dict, ...] = ()
-    mix: str = "cycle"
-    transforms: tuple[dict, ...] = ()
-    pipeline: str | None = None
+    seed: int
+    world_size: int
+    batch_size: int
+    drop_last: bool
+    decoder: str
+    buffer_bytes: int
+    workers: int
+    retain: int
+    on_error: str
+    max_bad_rate: float
+    worker_timeout: float
+    max_worker_restarts: int
+    worker_nice: int
+    on_trainer_exit: str
+    endpoint: str
+    curve_secret_key: str | None
+    curve_authorized_keys: str | None
+    sources: tuple[dict, ...]
+    mix: str
+    transforms: tuple[dict, ...]
+    pipeline: str | None
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -170,56 +144,6 @@ def plan_digest(config: Config, plan: dict, data_fingerprint: str) -> str:
     return content_hash(decides)
 
 
-def _typed(value, types, where: str):
-    types = types if isinstance(types, tuple) else (types,)
-    # bool is an int in Python; a flag like world_size = true is still a mistake.
-    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
-        names = " or ".join(t.__name__ for t in types)
-        raise ConfigError(f"{where} must be {names}, got {value!r}")
-    return value
-
-
-# The [daemon] keys besides buffer: what a valid value is. Defaults live in Config alone.
-_DAEMON_RULES = {
-    "workers": (lambda v: v >= 1, "at least 1"),
-    "retain": (lambda v: v >= 0, "0 or more"),
-    "on_error": (lambda v: v in ON_ERROR, f"one of {', '.join(ON_ERROR)}"),
-    "max_bad_rate": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "worker_timeout": (lambda v: v > 0, "positive"),
-    "max_worker_restarts": (lambda v: v >= 0, "0 or more"),
-    "worker_nice": (lambda v: 0 <= v <= 19, "a niceness from 0 (as the trainer) to 19 (lowest priority)"),
-    "on_trainer_exit": (lambda v: v in ON_TRAINER_EXIT, f"one of {', '.join(ON_TRAINER_EXIT)}"),
-    "endpoint": (
-        lambda v: v == "ipc" or _is_tcp_endpoint(v),
-        "ipc or tcp://HOST:PORT with HOST an IP address, localhost or * and PORT 1-65535 "
-        "(e.g. tcp://127.0.0.1:5555; IPv6 in brackets: tcp://[::1]:5555)",
-    ),
-    "curve_secret_key": (lambda v: v != "", "the path of the server's secret certificate"),
-    "curve_authorized_keys": (lambda v: v != "", "the path of a folder of client public certificates"),
-}
-
-
-def _is_tcp_endpoint(text: str) -> bool:
-    try:
-        parse_tcp_endpoint(text)
-    except ValueError:
-        return False
-    return True
-
-
-def _check_daemon_values(daemon: dict) -> dict:
-    """The [daemon] values given (file or flag), checked; absent keys keep Config's defaults."""
-    values = {}
-    for key, (valid, requirement) in _DAEMON_RULES.items():
-        if key not in daemon:
-            continue
-        value = float(daemon[key]) if _DAEMON_KEYS[key] == (float, int) else daemon[key]
-        if not valid(value):
-            raise ConfigError(f"[daemon] {key} / --{key.replace('_', '-')} must be {requirement}, got {value!r}")
-        values[key] = value
-    return values
-
-
 def _check_endpoint(values: dict, base: Path, flags: dict) -> dict:
     """The control endpoint's rule: TCP on a loopback host, or anywhere with CURVE configured.
 
@@ -240,7 +164,7 @@ def _check_endpoint(values: dict, base: Path, flags: dict) -> dict:
             "--endpoint tcp://HOST:PORT as well, or drop the CURVE keys (the ipc socket is private to you already)"
         )
     if endpoint != "ipc":
-        tcp = parse_tcp_endpoint(endpoint)  # its form was checked by _DAEMON_RULES
+        tcp = parse_tcp_endpoint(endpoint)  # its form was checked by its Setting
         if not tcp.loopback and not curve:
             where = "every interface" if tcp.wildcard else tcp.host
             raise ConfigError(
@@ -253,7 +177,7 @@ def _check_endpoint(values: dict, base: Path, flags: dict) -> dict:
     if curve:
         for key, check in (
             ("curve_secret_key", load_secret_certificate),
-            ("curve_authorized_keys", control.load_authorized_keys),
+            ("curve_authorized_keys", load_authorized_keys),
         ):
             values[key] = _resolve(values[key], Path.cwd() if key in flags else base)
             try:
@@ -300,49 +224,49 @@ def _check_source(i: int, src, base: Path) -> dict:
 
 
 def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | None = None) -> Config:
-    """Validate a parsed TOML document plus flag overrides into a Config."""
+    """Validate a parsed TOML document plus flag overrides into a Config.
+
+    ``overrides`` maps a Setting's ``option`` (its flag's name: ``world_size``, ``mix``) or
+    ``data`` to a value; None means the flag was not given."""
     _check_keys(raw, _SECTIONS, "config")
-    job, daemon = dict(raw.get("job", {})), dict(raw.get("daemon", {}))
-    _check_keys(job, _JOB_KEYS, "[job]")
-    _check_keys(daemon, _DAEMON_KEYS, "[daemon]")
+    tables = {section: _key_table(raw, section) for section in settings.SECTIONS}
     overrides = {k: v for k, v in (overrides or {}).items() if v is not None}
     data = overrides.pop("data", None)
-    for k, v in overrides.items():
-        (job if k in _JOB_KEYS else daemon)[k] = v
-    for k, types in _JOB_KEYS.items():
-        if k in job:
-            _typed(job[k], types, f"[job] {k}")
-    for k, types in _DAEMON_KEYS.items():
-        if k in daemon:
-            _typed(daemon[k], types, f"[daemon] {k}")
+    for option, value in overrides.items():
+        if option not in settings.BY_OPTION:
+            raise ConfigError(f"unknown flag --{option.replace('_', '-')}")
+        s = settings.BY_OPTION[option]
+        tables[s.section][s.key] = value
+    tables["job"].setdefault("name", default_name)
+    values = {s.field: _checked_value(s, tables[s.section]) for s in settings.SETTINGS}
+    values = _check_endpoint(values, base, overrides)
+    sources = _check_sources(raw.get("source", []), data, base)
 
-    name = job.get("name", default_name)
-    try:
-        check_job_name(name)
-    except ValueError as exc:
-        raise ConfigError(f"[job] name / --name: {exc}") from None
-    for k in ("world_size", "batch_size"):
-        if job.get(k, 1) < 1:
-            raise ConfigError(f"[job] {k} / --{k.replace('_', '-')} must be at least 1, got {job[k]}")
-    if job.get("world_size", 1) > MAX_RANK + 1:  # batch names hold four digits of rank
-        raise ConfigError(f"[job] world_size / --world-size must be at most {MAX_RANK + 1}, got {job['world_size']}")
-    if job.get("seed", 0) < 0:
-        raise ConfigError(f"[job] seed / --seed must be non-negative, got {job['seed']}")
-    decoder = job.get("decoder", "pillow")
-    if decoder not in fastdecode.DECODERS:
-        raise ConfigError(f"[job] decoder / --decoder must be one of {', '.join(fastdecode.DECODERS)}, got {decoder!r}")
-    if decoder == "simplejpeg":
-        try:
-            fastdecode.require()
-        except ImportError as exc:
-            raise ConfigError(f"[job] decoder / --decoder: {exc}") from None
-    try:
-        buffer_bytes = parse_size(daemon.get("buffer", DEFAULT_BUFFER))
-    except ValueError as exc:
-        raise ConfigError(f"[daemon] buffer / --buffer: {exc}") from None
-    daemon_values = _check_endpoint(_check_daemon_values(daemon), base, overrides)
+    specs = raw.get("transform", [])
+    if not isinstance(specs, list):
+        raise ConfigError("transform must be an array of tables: write [[transform]], not [transform]")
+    if values["pipeline"] is None:
+        transforms.validate_transforms(specs)
+    elif specs:
+        raise ConfigError("use either [pipeline] callable (--pipeline) or [[transform]] entries, not both")
+    return Config(**values, sources=sources, transforms=tuple(specs))
 
-    raw_sources = raw.get("source", [])
+
+def _key_table(raw: dict, section: str) -> dict:
+    table = raw.get(section, {})
+    if not isinstance(table, dict):
+        raise ConfigError(f"{section} must be a table: write [{section}] and its keys below it, got {table!r}")
+    _check_keys(table, settings.section_keys(section), f"[{section}]")
+    return dict(table)
+
+
+def _checked_value(setting: settings.Setting, table: dict):
+    value = table[setting.key] if setting.key in table else setting.default_value()
+    return None if value is None else setting.validate(value)
+
+
+def _check_sources(raw_sources, data: str | None, base: Path) -> tuple[dict, ...]:
+    """The [[source]] tables, checked; ``data`` (--data) replaces the only one's folder."""
     if not isinstance(raw_sources, list):
         raise ConfigError("source must be an array of tables: write [[source]], not [source]")
     if data is not None:
@@ -351,56 +275,25 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
         kind = raw_sources[0].get("kind", "image_folder") if raw_sources else "image_folder"
         key = "root" if kind == "image_folder" else "path"
         raw_sources = [{**(raw_sources[0] if raw_sources else {"kind": kind}), key: data}]
-        base_for_data = Path.cwd()
+        base = Path.cwd()  # a flag's path is the current folder's, not the config file's
     if not raw_sources:
         raise ConfigError("no data: add a [[source]] table to the config, or pass --data FOLDER")
-    source_base = base_for_data if data is not None else base
-    sources = tuple(_check_source(i, s, source_base) for i, s in enumerate(raw_sources))
+    sources = tuple(_check_source(i, s, base) for i, s in enumerate(raw_sources))
     names = [s["name"] for s in sources]
     if len(set(names)) != len(names):
         raise ConfigError(f"[[source]] names must be unique, got {names}")
     weighted = [s.get("weight") is not None for s in sources]
     if any(weighted) and not all(weighted):
         raise ConfigError("give every [[source]] a weight, or none (then they are concatenated)")
-    mix_table = raw.get("mix", {})
-    _check_keys(mix_table, {"epoch"}, "[mix]")
-    mix = mix_table.get("epoch", "cycle")
-    if mix not in MIX_RULES:
-        raise ConfigError(f"[mix] epoch must be one of {', '.join(MIX_RULES)}, got {mix!r}")
-
-    pipeline = raw.get("pipeline", {})
-    _check_keys(pipeline, {"callable"}, "[pipeline]")
-    callable_ = pipeline.get("callable")
-    if callable_ is not None and (not isinstance(callable_, str) or callable_.count(":") != 1):
-        raise ConfigError(f"[pipeline] callable must look like 'package.module:function', got {callable_!r}")
-    specs = raw.get("transform", [])
-    if not isinstance(specs, list):
-        raise ConfigError("transform must be an array of tables: write [[transform]], not [transform]")
-    if callable_ is None:
-        transforms.validate_transforms(specs)
-    elif specs:
-        raise ConfigError("use either [pipeline] callable or [[transform]] entries, not both")
-
-    return Config(
-        name=name,
-        seed=job.get("seed", 0),
-        world_size=job.get("world_size", 1),
-        batch_size=job.get("batch_size", 32),
-        drop_last=job.get("drop_last", True),
-        decoder=decoder,
-        buffer_bytes=buffer_bytes,
-        **daemon_values,
-        sources=sources,
-        mix=mix,
-        transforms=tuple(specs),
-        pipeline=callable_,
-    )
+    return sources
 
 
 def load_config(path: str | os.PathLike | None, overrides: dict | None = None) -> Config:
     """Read a TOML config (or none: flags only) and apply flag overrides."""
     if path is None:
-        raw = {"transform": [dict(t) for t in DEFAULT_TRANSFORMS]}
+        # --pipeline replaces the default crop: with both, the config would mix the two.
+        pipeline_flag = (overrides or {}).get("pipeline") is not None
+        raw = {} if pipeline_flag else {"transform": [dict(t) for t in DEFAULT_TRANSFORMS]}
         return build_config(raw, base=Path.cwd(), default_name="default", overrides=overrides)
     path = Path(path)
     if path.exists() and not path.is_file():  # a FIFO would block the read forever

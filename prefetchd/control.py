@@ -24,24 +24,17 @@ from __future__ import annotations
 import json
 import logging
 import os
-import stat
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from prefetchd_client.layout import SOCKET, JobPaths, read_manifest, valid_curve_key, valid_endpoint
-from prefetchd_client.transport import (
-    client_curve,
-    connect,
-    load_public_certificate,
-    load_secret_certificate,
-    parse_tcp_endpoint,
-)
+from prefetchd_client.transport import client_curve, connect, load_secret_certificate, parse_tcp_endpoint
 
+from .curve import load_authorized_keys
 from .errors import ConfigError
 
 if TYPE_CHECKING:
@@ -179,37 +172,6 @@ def _serve_curve(context: zmq.Context, server: ControlServer, config: Config) ->
     server.socket.curve_publickey = public
     server.socket.curve_server = True
     server.public_key = public.decode("ascii")
-
-
-def load_authorized_keys(directory: str | os.PathLike) -> list[bytes]:
-    """The client public keys in ``directory``'s ``*.key`` files; ValueError says what is wrong.
-
-    Whoever can write to the folder or its files decides who gets in: they must be this
-    user's and not writable by others.
-    """
-    folder = Path(directory)
-    try:
-        st = os.stat(folder)
-    except OSError as exc:
-        raise ValueError(f"cannot read folder {folder}: {exc.strerror}") from None
-    if not stat.S_ISDIR(st.st_mode):
-        raise ValueError(f"{folder} is not a folder")
-    keys = []
-    for path in [folder, *sorted(folder.glob("*.key"))]:
-        st = os.stat(path)
-        if st.st_uid != os.getuid() or st.st_mode & 0o022:
-            raise ValueError(
-                f"{path} must be yours and not writable by others (it decides who may connect); "
-                f"it has uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}: run chmod go-w {path}"
-            )
-        if path != folder:
-            keys.append(load_public_certificate(path))
-    if not keys:
-        raise ValueError(
-            f"{folder} holds no client certificates: copy each client's public certificate (the .key "
-            "file zmq.auth.create_certificates writes, not the .key_secret) into it"
-        )
-    return keys
 
 
 def job_endpoint(paths: JobPaths, *, dir_fd: int | None = None) -> tuple[str, str | None]:

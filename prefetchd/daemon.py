@@ -1,9 +1,10 @@
 """Run a job's master: in the foreground, or detached with a readiness handshake.
 
 ``prefetchd start`` launches ``python -m prefetchd.daemon`` in a new session and waits on a
-pipe for one JSON line: ``{"ok": true, "pid": P}`` once the job serves (manifest written,
-socket bound), or ``{"ok": false, "error": "...", "exit_code": N}``. If the process dies
-without a word, the pipe closes and ``start`` reports that instead of hanging.
+pipe for one JSON line: ``{"ok": true, "pid": P, "job_dir": D}`` once the job serves (manifest
+written, socket bound), or ``{"ok": false, "error": E}``, E the error as data (errors.to_json:
+``{"type", "message", "exit_code"}``). If the process dies without a word, the pipe closes and
+``start`` reports that instead of hanging.
 """
 
 from __future__ import annotations
@@ -26,15 +27,13 @@ from prefetchd_client.layout import JobPaths, OpenJob, UnsafeFolder, daemon_aliv
 
 from . import control
 from .config import Config
-from .errors import JobError, UserError
-from .master import DaemonStop, Master
+from .errors import DaemonStop, ExitCode, JobError, UserError, describe, error_from_json, start_failure, to_json
+from .startup import start_master
 
 _START_TIMEOUT_S = 600.0  # indexing a million files on a network filesystem takes a while
 _STOP_TIMEOUT_S = 15.0
 _EXIT_WAIT_S = 30.0  # a daemon that sent its failure only has to exit; then it is killed
 _MAX_MESSAGE_BYTES = 1 << 20  # the readiness line is ~100 bytes; a failure message a few KiB
-_DESCRIBE_CHARS = 2000
-EXIT_INTERNAL = 70  # a bug or an unforeseen failure (BSD's EX_SOFTWARE), named by its exception
 
 
 def serve(
@@ -44,23 +43,20 @@ def serve(
     keep: bool,
     notify: Callable[[dict], None],
     detach_output: bool,
-    on_stop: Callable[[str, int], None] | None = None,
+    on_stop: Callable[[DaemonStop], None] | None = None,
 ) -> int:
     """Start the job's master and run it until it stops; returns its exit code.
 
-    ``notify`` hears once: the readiness message, or why the start failed, with its exit code
-    (an unforeseen exception too: EXIT_INTERNAL, naming it). ``on_stop(reason, code)``
-    hears why a daemon that served stopped with a non-zero code (the foreground command says it).
+    ``notify`` hears once: the readiness message, or why the start failed, the error as data
+    (an unforeseen exception too: ExitCode.INTERNAL, naming it). ``on_stop(stop)`` hears the
+    DaemonStop of a daemon that served and stopped with a non-zero code (the foreground
+    command says it).
     """
     os.umask(0o077)  # whatever the daemon or a library creates (the socket, logs) is the user's alone
     try:
-        master = Master(config, paths, keep=keep)
-        master.start()
-    except (UserError, DaemonStop) as exc:
-        return _refuse_start(notify, paths, str(exc), exc.exit_code)
-    except Exception as exc:  # a bug or the unforeseen: still one clear message, never silence
-        where = f"; the traceback is in {paths.log}" if paths.log.exists() else ""
-        return _refuse_start(notify, paths, f"internal error during start-up: {_describe(exc)}{where}", EXIT_INTERNAL)
+        master = start_master(config, paths, keep=keep)
+    except Exception as exc:  # a bug or the unforeseen too: still one clear message, never silence
+        return _refuse_start(notify, paths, start_failure(exc, paths.log))
     if detach_output:  # from now on stray output (a crash) lands in the job's log
         fd = os.open(paths.log, os.O_WRONLY | os.O_APPEND)
         os.dup2(fd, 1)
@@ -69,13 +65,15 @@ def serve(
     notify({"ok": True, "pid": os.getpid(), "job_dir": str(paths.dir)})
     code = master.run()
     if code and on_stop is not None:
-        on_stop(str(master.stop_reason), code)
+        on_stop(master.stop_reason)
     return code
 
 
-def _refuse_start(notify: Callable[[dict], None], paths: JobPaths, message: str, code: int) -> int:
-    notify({"ok": False, "error": _without_a_removed_log(message, paths.log), "exit_code": code})
-    return code
+def _refuse_start(notify: Callable[[dict], None], paths: JobPaths, error: UserError) -> int:
+    report = to_json(error)
+    report["message"] = _without_a_removed_log(report["message"], paths.log)
+    notify({"ok": False, "error": report})
+    return error.exit_code
 
 
 def _without_a_removed_log(message: str, log: Path) -> str:
@@ -89,14 +87,9 @@ def _without_a_removed_log(message: str, log: Path) -> str:
     return message.replace(str(log), "the job's log (removed with the job folder)")
 
 
-def _describe(exc: BaseException) -> str:
-    text = str(exc)
-    return f"{type(exc).__name__}: {text[:_DESCRIBE_CHARS]}" if text else type(exc).__name__
-
-
 def start_detached(config: Config, paths: JobPaths, *, keep: bool = False, timeout_s: float = _START_TIMEOUT_S) -> dict:
-    """Start the daemon in its own session; return its readiness message or raise UserError
-    (the daemon's own message and exit code when it failed to start, never silence)."""
+    """Start the daemon in its own session; return its readiness message or raise UserError:
+    the daemon's own error, rebuilt from its report, when it failed to start (never silence)."""
     read_fd, write_fd = os.pipe()
     cmd = [sys.executable, "-m", "prefetchd.daemon", "--ready-fd", str(write_fd), "--job-dir", str(paths.dir)]
     if keep:
@@ -127,9 +120,7 @@ def start_detached(config: Config, paths: JobPaths, *, keep: bool = False, timeo
             raise JobError(_silent_exit(_wait_exit(proc, _EXIT_WAIT_S), early_stderr, paths))
     if not msg["ok"]:
         _wait_exit(proc, _EXIT_WAIT_S)
-        err = UserError(msg["error"])
-        err.exit_code = msg["exit_code"]
-        raise err
+        raise error_from_json(msg["error"])
     return msg
 
 
@@ -145,7 +136,8 @@ def _send_config(proc: subprocess.Popen, config: Config) -> None:
 
 
 def _start_message(line: bytes) -> dict | None:
-    """The daemon's start-up message, checked; None for none (it died first) or a garbled one."""
+    """The daemon's start-up message, checked; None for none (it died first) or a garbled one.
+    The error a failure carries is checked where it is rebuilt (errors.error_from_json)."""
     try:
         msg = json.loads(line)
     except (ValueError, RecursionError):
@@ -154,7 +146,7 @@ def _start_message(line: bytes) -> dict | None:
         return None
     if msg["ok"]:
         return msg if isinstance(msg.get("job_dir"), str) and type(msg.get("pid")) is int else None
-    return msg if isinstance(msg.get("error"), str) and type(msg.get("exit_code")) is int else None
+    return msg if isinstance(msg.get("error"), dict) else None
 
 
 def _silent_exit(code: int, early_stderr, paths: JobPaths) -> str:
@@ -295,15 +287,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = Config.from_json(json.loads(sys.stdin.read()))
     except Exception as exc:  # noqa: BLE001 - whatever it is, the command must hear it
-        notify(
-            {
-                "ok": False,
-                "error": f"the daemon could not read the config that `prefetchd start` passed it ({_describe(exc)}); "
-                "are `prefetchd` and the daemon's python the same prefetchd version?",
-                "exit_code": EXIT_INTERNAL,
-            }
+        unreadable = DaemonStop(
+            f"the daemon could not read the config that `prefetchd start` passed it ({describe(exc)}); "
+            "are `prefetchd` and the daemon's python the same prefetchd version?",
+            ExitCode.INTERNAL,
         )
-        return EXIT_INTERNAL
+        notify({"ok": False, "error": to_json(unreadable)})
+        return unreadable.exit_code
     finally:
         sys.stdin.close()
     return serve(config, JobPaths(Path(args.job_dir)), keep=args.keep, notify=notify, detach_output=True)

@@ -1,4 +1,5 @@
-"""The job directory on disk: create it safely, lock it, sweep it, remove it.
+"""The job directory on disk: create it safely, lock it, sweep it, remove it, and leave in it
+why the daemon stopped (stopped.json).
 
 The lock is an exclusive ``flock`` on ``daemon.lock`` held for the daemon's whole life:
 the kernel releases it however the daemon dies, so a stale directory never blocks a new
@@ -9,13 +10,17 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
+import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 from prefetchd_client.layout import (
     DIR_FLAGS,
     LOCK,
+    STOPPED,
     JobPaths,
     UnsafeFolder,
     check_folders_above,
@@ -23,7 +28,9 @@ from prefetchd_client.layout import (
     read_manifest,
 )
 
-from .errors import JobError
+from .errors import JobError, UserError, to_json
+
+log = logging.getLogger("prefetchd")
 
 
 def ensure_private_dir(path: Path, what: str, *, dir_fd: int | None = None) -> int:
@@ -104,11 +111,12 @@ class JobDir:
         self._lock_fd = fd
 
     def prepare(self) -> None:
-        """Sub-folders ready; a dead daemon's leftovers swept: its half-written files, socket and
-        manifest. Finished batches stay: the new master validates them and keeps what it can use.
-        What the folder holds is noted first, so that a failed start removes only what it made."""
+        """Sub-folders ready; a dead daemon's leftovers swept: its half-written files, socket,
+        manifest and stopped.json (why it stopped, no longer true of this start). Finished
+        batches stay: the new master validates them and keeps what it can use. What the folder
+        holds is noted first, so that a failed start removes only what it made."""
         self._found = _entry_identities(self.paths.dir)
-        for leftover in (self.paths.manifest, self.paths.socket):
+        for leftover in (self.paths.manifest, self.paths.socket, self.paths.stopped):
             leftover.unlink(missing_ok=True)
         for folder in (self.paths.tmp_dir, self.paths.dir / "index"):
             shutil.rmtree(folder, ignore_errors=True)
@@ -127,13 +135,16 @@ class JobDir:
         kept = {p.name for p in keep}
         self._remove_in_folder(whole=not kept, entries=lambda dir_fd: _names_but(dir_fd, kept))
 
-    def remove_what_this_start_made(self) -> None:
+    def remove_what_this_start_made(self, failure: UserError | None = None) -> None:
         """After a failed start: a job folder this start created goes whole. In one that was
         there, the entries this start made or replaced go (manifest, socket, producer.json,
         index/, tmp/ with its workers' files); the log (it says why), the lock, and batches/,
         retired/, progress/ and trainers/ (a warm buffer, trainers' reports) stay, as does
-        anything this start left as it found it."""
+        anything this start left as it found it. A folder that stays is left ``failure`` in
+        stopped.json: a trainer waiting on the job, and `prefetchd status`, read why."""
         self._remove_in_folder(whole=self.created, entries=self._made_by_this_start)
+        if failure is not None and not self.created:
+            self.write_stopped(failure)
         if self.root_created:
             try:
                 os.rmdir(self.paths.dir.parent)  # only while empty: another job may have come meanwhile
@@ -179,6 +190,41 @@ class JobDir:
                 continue
             made.append(name)
         return made
+
+    def write_stopped(self, error: UserError) -> bool:
+        """Leave ``error`` (errors.to_json, plus ``stopped_at``) in stopped.json: atomically
+        (a reader sees all of it or none), 0600, relative to the job folder opened without
+        following symlinks. Called with the lock held, so it never lands in a newer daemon's
+        folder. Whether it was written; never raises: a file it cannot write (a full tmpfs) is
+        logged, and must not hide why the daemon stopped."""
+        data = json.dumps({**to_json(error), "stopped_at": round(time.time(), 3)}).encode()
+        tmp = f".{STOPPED}.tmp"
+        try:
+            root_fd = os.open(self.paths.dir.parent, DIR_FLAGS)
+            try:
+                dir_fd = os.open(self.paths.name, DIR_FLAGS, dir_fd=root_fd)
+            finally:
+                os.close(root_fd)
+        except OSError as exc:
+            log.warning("could not leave why the daemon stopped in %s: %s", self.paths.stopped, exc)
+            return False
+        try:
+            _remove_quietly(os.unlink, tmp, dir_fd)  # O_EXCL below: never write through a planted file
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+            finally:
+                os.close(fd)
+            os.replace(tmp, STOPPED, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        except OSError as exc:
+            _remove_quietly(os.unlink, tmp, dir_fd)
+            log.warning("could not leave why the daemon stopped in %s: %s", self.paths.stopped, exc)
+            return False
+        finally:
+            os.close(dir_fd)
+        return True
 
     def release(self) -> None:
         if self._lock_fd >= 0:

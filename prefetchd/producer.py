@@ -68,6 +68,9 @@ class SampleProgress:
     current: tuple[int, str] | None = None  # (sample id, path) being made: named when it hangs
 
 
+SPEC_VERSION = 1  # of producer.json: workers and `prefetchd verify` read it, perhaps another install's
+
+
 @dataclass(frozen=True)
 class ProducerSpec:
     """What a worker needs, as plain JSON-able data (workers start with spawn)."""
@@ -80,10 +83,28 @@ class ProducerSpec:
     config_hash: str
     on_error: str = "replace"  # or "fail"
     decoder: str = "pillow"  # or "simplejpeg" (prefetchd.fastdecode)
-    plan_digest: str = ""  # prefetchd.config.plan_digest; "" in a producer.json of an older daemon
+    plan_digest: str = ""  # prefetchd.config.plan_digest
+    version: int = SPEC_VERSION
 
     def to_json(self) -> dict:
         return self.__dict__.copy()
+
+    @classmethod
+    def from_json(cls, data: dict) -> ProducerSpec:
+        """The spec ``to_json`` wrote; SpecMismatch when another prefetchd version wrote it,
+        TypeError or ValueError when it is not a spec at all."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a spec is an object, not a {type(data).__name__}")
+        if data.get("version") != SPEC_VERSION:
+            raise SpecMismatch(
+                f"written by another prefetchd version (spec version {str(data.get('version'))[:20]}, this "
+                f"prefetchd reads {SPEC_VERSION}); restart the job with this prefetchd"
+            )
+        return cls(**data)
+
+
+class SpecMismatch(ValueError):
+    """A producer.json written by another prefetchd version."""
 
 
 def builtin_fields(batch_size: int, transforms: list) -> list[FieldSpec]:

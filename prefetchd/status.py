@@ -1,7 +1,8 @@
-"""The status report: what `prefetchd status` shows, built from the master's state.
+"""The status report: what `prefetchd status` shows, built from the master's public parts.
 
-Read-only: it looks at the master's scheduler, counters and rates, and measures the bytes
-of the files on the tmpfs (the ledger says what should be there; the filesystem what is).
+Read-only: it looks at the buffer's ledger, the pool's workers, the intake's view of the
+trainers, the policies' counts and the master's rates, and measures the bytes of the files
+on the tmpfs (the ledger says what should be there; the filesystem what is).
 """
 
 from __future__ import annotations
@@ -10,6 +11,12 @@ import collections
 import os
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from . import settings
+
+if TYPE_CHECKING:
+    from .master import Master
 
 _RATE_WINDOW_S = 10.0
 
@@ -33,43 +40,18 @@ class Rates:
             self.events.popleft()
 
 
-_FILES_SCAN_S = 0.5  # status requests in a flood share one scan of the folders
-
-
-def _files_bytes(m, now: float) -> int:
-    """Blocks allocated to the buffer's files, as the filesystem reports them; each file once
-    (a batch linked into batches/ still has its tmp/ name until its worker unlinks it)."""
-    scanned_at, fs_bytes = m._files_scan
-    if now - scanned_at < _FILES_SCAN_S:
-        return fs_bytes
-    fs_bytes, seen = 0, set()
-    for folder in (m.paths.batch_dir, m.paths.tmp_dir, m.paths.retired_dir):
-        with os.scandir(folder) as entries:
-            for e in entries:
-                try:
-                    st = e.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if st.st_ino not in seen:
-                    seen.add(st.st_ino)
-                    fs_bytes += st.st_blocks * 512
-    m._files_scan = (now, fs_bytes)
-    return fs_bytes
-
-
-def job_status(m) -> dict:
-    """What `prefetchd status` shows: the buffer, each rank, rates, sources, totals."""
+def job_status(m: Master) -> dict:
+    """What `prefetchd status` shows: the buffer, each rank, workers, rates, sources, totals."""
     now = time.monotonic()
-    size = m.layout.size
-    fs_bytes = _files_bytes(m, now)
+    buffer, plan, intake = m.buffer, m.job.plan, m.intake
     ranks = []
-    for r, state in enumerate(m.scheduler.ranks):
-        epoch, step = m.plan.unlinear(state.position)
-        last = m._last_report.get(r)
+    for r, state in enumerate(buffer.scheduler.ranks):
+        epoch, step = plan.unlinear(state.position)
+        last = intake.last_report.get(r)
         ranks.append(
             {
                 "rank": r,
-                "trainer": m.trainers[r],
+                "trainer": intake.trainers[r],
                 "epoch": epoch,
                 "step": step,
                 "ready": len(state.ready),
@@ -78,31 +60,34 @@ def job_status(m) -> dict:
                 "last_report_s_ago": None if last is None else round(now - last, 3),
             }
         )
-    produced_per_s = m._produce_rate.per_second(now)
-    consumed_per_s = m._consume_rate.per_second(now)
+    workers = m.pool.snapshot()
+    produced_per_s = m.produce_rate.per_second(now)
+    consumed_per_s = m.consume_rate.per_second(now)
     return {
         "job": m.paths.name,
         "pid": os.getpid(),
         "uptime_s": round(time.time() - m.started_at, 1),
-        "batches_per_epoch": m.plan.batches_per_epoch,
+        "batches_per_epoch": plan.batches_per_epoch,
+        "config": settings.echo(m.config),
         "buffer": {
             "bound_bytes": m.config.buffer_bytes,
-            "used_bytes": m.used_bytes,
-            "files_bytes": fs_bytes,
-            "pinned_batches": len(m.retired.pinned),
-            "pinned_bytes": m.retired.pinned_bytes,
-            "peak_bytes": m.peak_bytes,
-            "batch_bytes": size,
-            "window_per_rank": m.scheduler.window,
-            "retain_per_rank": m.scheduler.retain,
+            "used_bytes": buffer.used_bytes,
+            "files_bytes": buffer.files_bytes(now),
+            "pinned_batches": len(buffer.retired.pinned),
+            "pinned_bytes": buffer.retired.pinned_bytes,
+            "peak_bytes": buffer.peak_bytes,
+            "batch_bytes": buffer.layout.size,
+            "window_per_rank": buffer.scheduler.window,
+            "retain_per_rank": buffer.scheduler.retain,
         },
         "ranks": ranks,
-        "backing_off_no_space": m._no_space_delay > 0,
+        "backing_off_no_space": m.no_space.backing_off,
         "workers": {
-            "count": len(m.workers),
-            "busy": sum(s.task is not None for s in m.workers),
-            "restarts": len(m._restarts),
-            "pids": [s.process.pid for s in m.workers],
+            "count": len(workers),
+            "busy": sum(w["task"] is not None for w in workers),
+            "restarts": m.restarts.recent,
+            "pids": [w["pid"] for w in workers],
+            "each": workers,
         },
         "rates": {
             "produced_batches_per_s": round(produced_per_s, 2),
@@ -113,18 +98,19 @@ def job_status(m) -> dict:
         "sources": _mix_status(m),
         "totals": {
             "produced": m.produced,
-            "deleted": m.deleted,
-            "bad_samples": m.bad_samples,
-            "bad_messages": m.refusals["message"],
-            "refused": dict(m.refusals),  # peer input dropped, by kind (prefetchd.master.Master.refuse)
+            "deleted": buffer.deleted,
+            "bad_samples": m.samples.bad,
+            "bad_messages": intake.refusals.counts["message"],
+            "refused": dict(intake.refusals.counts),  # peer input dropped, by kind (prefetchd.intake)
         },
     }
 
 
-def _mix_status(m) -> list[dict]:
+def _mix_status(m: Master) -> list[dict]:
     """Each source's configured share and its realised share of the samples produced."""
+    plan = m.job.plan
     total = sum(m.produced_per_source)
-    configured = m.plan.source_counts() / m.plan.epoch_length if m.plan.mixing else None
+    configured = plan.source_counts() / plan.epoch_length if plan.mixing else None
     return [
         {
             "name": name,
@@ -133,5 +119,5 @@ def _mix_status(m) -> list[dict]:
             "realised_share": round(n / total, 4) if total else None,
             "samples_produced": n,
         }
-        for i, (name, src, n) in enumerate(zip(m.source_names, m.config.sources, m.produced_per_source))
+        for i, (name, src, n) in enumerate(zip(m.job.source_names, m.config.sources, m.produced_per_source))
     ]

@@ -17,7 +17,7 @@ from prefetchd_client.batchfile import BatchFormatError, map_batch
 from prefetchd_client.layout import JobPaths, read_manifest, read_regular_file
 
 from .errors import JobError
-from .producer import PRODUCER_SPEC, BatchProducer, ProducerSpec
+from .producer import PRODUCER_SPEC, BatchProducer, ProducerSpec, SpecMismatch
 
 _MAX_SPEC_BYTES = 1 << 20
 
@@ -35,7 +35,9 @@ def _read_spec(paths: JobPaths) -> ProducerSpec:
     except OSError as exc:
         raise JobError(f"cannot read {path}: {exc.strerror}") from None
     try:
-        return ProducerSpec(**json.loads(data))
+        return ProducerSpec.from_json(json.loads(data))
+    except SpecMismatch as exc:
+        raise JobError(f"{path} was {exc}") from None
     except (ValueError, RecursionError, TypeError) as exc:
         raise JobError(f"{path} is not what a daemon writes ({type(exc).__name__}); restart the job") from None
 

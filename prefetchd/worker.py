@@ -1,16 +1,7 @@
 """The worker process: receives batch tasks from the master, produces them, reports back.
 
 Started with ``spawn`` (no inherited locks, sockets or threads), its entry point takes one
-small JSON spec. Messages on the pipe are JSON in both directions:
-
-    master -> worker   {"op": "produce", "epoch": E, "step": K, "rank": R}  |  {"op": "stop"}
-    worker -> master   {"op": "ready", "fields": [...]}  |  {"op": "boot_failed", "error": "..."}
-                       {"op": "heartbeat", "samples": n, "sample": [id, path] | null}  (every second,
-                        from a thread: n counts the sample attempts that ended, so the master can
-                        tell a task that moves from one blocked in a call that releases the GIL)
-                       {"op": "done", "epoch", "step", "rank", "published": bool, "sources": [n, ...],
-                        "replaced": [{"slot", "index", "path", "error", "replacement"}], "longest_bad_run": n}
-                       {"op": "failed", "epoch", "step", "rank", "error": "...", "sample": bool, "nospace": bool}
+small JSON spec. The messages both ways are prefetchd.messages.
 """
 
 from __future__ import annotations
@@ -24,6 +15,7 @@ import threading
 import time
 import traceback
 
+from .messages import BootFailed, Done, Failed, Heartbeat, Message, Produce, Ready, decode, encode
 from .producer import BatchProducer, ProducerSpec, SampleError, SampleProgress
 
 _PARENT_CHECK_S = 1.0
@@ -34,8 +26,8 @@ HEARTBEAT_S = 1.0  # also the granularity at which the master hears progress
 _send_lock = threading.Lock()  # the heartbeat thread and the main loop share the pipe
 
 
-def _send(conn, msg: dict) -> None:
-    data = json.dumps(msg).encode()
+def _send(conn, msg: Message) -> None:
+    data = encode(msg)
     with _send_lock:
         conn.send_bytes(data)
 
@@ -48,7 +40,7 @@ def _send_heartbeats(conn, progress: SampleProgress) -> None:
         time.sleep(HEARTBEAT_S)
         current = progress.current
         sample = None if current is None else [current[0], _printable(current[1])]
-        beat = {"op": "heartbeat", "samples": progress.finished, "sample": sample}
+        beat = Heartbeat(samples=progress.finished, sample=sample)
         try:
             _send(conn, beat)
         except OSError:
@@ -84,45 +76,36 @@ def worker_main(spec_json: str, conn, nice: int = 0) -> None:
     # Beating from before the boot: a slow import or first sample is not mistaken for a hang.
     threading.Thread(target=_send_heartbeats, args=(conn, progress), daemon=True, name="heartbeat").start()
     try:
-        producer = BatchProducer(ProducerSpec(**json.loads(spec_json)), progress)
+        producer = BatchProducer(ProducerSpec.from_json(json.loads(spec_json)), progress)
     except Exception:
-        _send(conn, {"op": "boot_failed", "error": traceback.format_exc(limit=-4)})
+        _send(conn, BootFailed(error=traceback.format_exc(limit=-4)))
         return
-    _send(conn, {"op": "ready", "fields": [f.to_json() for f in producer.layout.fields]})
+    _send(conn, Ready(fields=[f.to_json() for f in producer.layout.fields]))
     while True:
         if not conn.poll(_PARENT_CHECK_S):
             if os.getppid() != parent:  # the master died: nobody will collect our work
                 return
             continue
         try:
-            task = json.loads(conn.recv_bytes())
+            task = decode(conn.recv_bytes())
         except EOFError:
             return
-        if task["op"] == "stop":
+        if not isinstance(task, Produce):  # Stop
             return
-        e, k, r = task["epoch"], task["step"], task["rank"]
-        try:
-            published, report = producer.produce(e, k, r)
-            done = {"op": "done", "epoch": e, "step": k, "rank": r, "published": published}
-            _send(
-                conn,
-                done
-                | {
-                    "sources": report.per_source,
-                    "replaced": report.replaced,
-                    "longest_bad_run": report.longest_bad_run,
-                },
-            )
-        except SampleError as exc:
-            _send(conn, {"op": "failed", "epoch": e, "step": k, "rank": r, "error": str(exc), "sample": True})
-        except OSError as exc:
-            # ENOSPC: something else filled the tmpfs; nothing was published, the master backs off.
-            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
-            error = str(exc) if full else traceback.format_exc(limit=-4)
-            _send(
-                conn,
-                {"op": "failed", "epoch": e, "step": k, "rank": r, "error": error, "sample": False, "nospace": full},
-            )
-        except Exception:
-            error = traceback.format_exc(limit=-4)
-            _send(conn, {"op": "failed", "epoch": e, "step": k, "rank": r, "error": error, "sample": False})
+        _send(conn, _produce(producer, task))
+
+
+def _produce(producer: BatchProducer, task: Produce) -> Done | Failed:
+    """Make the batch; its report, or why it failed (the worker lives on either way)."""
+    e, k, r = task.epoch, task.step, task.rank
+    try:
+        published, report = producer.produce(e, k, r)
+        return Done(e, k, r, published, report.per_source, report.replaced, report.longest_bad_run)
+    except SampleError as exc:
+        return Failed(e, k, r, str(exc), sample=True, nospace=False)
+    except OSError as exc:
+        # ENOSPC: something else filled the tmpfs; nothing was published, the master backs off.
+        full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        return Failed(e, k, r, str(exc) if full else traceback.format_exc(limit=-4), sample=False, nospace=full)
+    except Exception:
+        return Failed(e, k, r, traceback.format_exc(limit=-4), sample=False, nospace=False)

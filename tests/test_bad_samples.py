@@ -91,7 +91,7 @@ def test_on_error_fail_stops_naming_the_file(tmp_path, job_root):
     with pytest.raises(DaemonDied, match=f"cannot read a sample: sample \\d+ \\({victim}\\)"):
         next(iter(PrefetchLoader("job", as_tensors=False, timeout=30)))
     # The tmpfs is freed; the log that says why stays until `prefetchd stop` clears it.
-    assert sorted(p.name for p in paths.dir.iterdir()) == ["daemon.lock", "daemon.log"]
+    assert sorted(p.name for p in paths.dir.iterdir()) == ["daemon.lock", "daemon.log", "stopped.json"]
     assert str(victim) in paths.log.read_text()
     assert cli("stop", "job").returncode == 0 and not paths.dir.exists()
 

@@ -153,3 +153,17 @@ def test_content_identity_changes_with_what_decides_content():
         != build({"transform": [{"op": "center_crop", "size": 9}]}).content(10, "d")["augment"]
     )
     assert content_hash(a.content(10, "d")) != content_hash(a.content(11, "d"))
+
+
+@pytest.mark.parametrize("section", ["job", "daemon", "mix", "pipeline"])
+def test_a_section_that_is_not_a_table_names_the_fix(section):
+    with pytest.raises(ConfigError, match=rf"{section} must be a table: write \[{section}\]"):
+        build({section: 5})
+
+
+def test_pipeline_flag_without_a_config_file_replaces_the_default_transforms(tmp_path):
+    assert load_config(None, {"data": str(tmp_path)}).transforms  # the default crop
+    cfg = load_config(None, {"data": str(tmp_path), "pipeline": "mypkg.aug:make_sample"})
+    assert (cfg.pipeline, cfg.transforms) == ("mypkg.aug:make_sample", ())
+    with pytest.raises(ConfigError, match=r"use either \[pipeline\] callable \(--pipeline\) or \[\[transform\]\]"):
+        build(pipeline="mypkg.aug:make_sample")  # BASE has [[transform]] entries

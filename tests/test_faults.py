@@ -158,7 +158,7 @@ def test_worker_deaths_beyond_the_budget_stop_the_daemon(tmp_path, jpeg_folder, 
         worker.kill()
         worker.wait(10)
     wait_until(lambda: "stopping instead of restarting forever" in paths.log.read_text(), what="budget stop")
-    assert sorted(p.name for p in paths.dir.iterdir()) == ["daemon.lock", "daemon.log"]
+    assert sorted(p.name for p in paths.dir.iterdir()) == ["daemon.lock", "daemon.log", "stopped.json"]
     assert cli("stop", "job").returncode == 0
 
 

@@ -182,7 +182,7 @@ def test_fuzzed_intakes_leave_the_daemon_serving_identical_batches(tmp_path, jpe
     assert refused.get("progress_file", 0) > 0 and refused.get("position", 0) > 0
 
     # Every rank, two epochs, each batch equal byte for byte to the one the plan makes here.
-    producer = BatchProducer(ProducerSpec(**json.loads((paths.dir / PRODUCER_SPEC).read_text())))
+    producer = BatchProducer(ProducerSpec.from_json(json.loads((paths.dir / PRODUCER_SPEC).read_text())))
     per_epoch = read_manifest(paths)["batches_per_epoch"]
     for rank in (0, 1):
         batches = read_all("job", rank, epochs=2)

@@ -12,6 +12,7 @@ import threading
 import pytest
 import zmq
 
+from prefetchd.producer import SPEC_VERSION
 from prefetchd_client import (
     BatchLayout,
     BatchWriter,
@@ -21,13 +22,14 @@ from prefetchd_client import (
     PrefetchLoader,
     UnsafeFolder,
 )
-from prefetchd_client.layout import JobPaths
+from prefetchd_client.layout import MANIFEST_VERSION, JobPaths
 
 from .conftest import cli
 
 pytestmark = pytest.mark.timeout(60)
 
 MANIFEST = {
+    "manifest_version": MANIFEST_VERSION,
     "format_version": 2,
     "job": "job",
     "config_hash": "0123456789abcdef",
@@ -225,7 +227,8 @@ def test_verify_with_a_missing_index_is_a_clear_error(fake_job):
     paths = fake_job()
     spec = {"job_dir": str(paths.dir), "plan": {"num_samples": 48, "world_size": 2, "batch_size": 4}}
     (paths.dir / "producer.json").write_text(json.dumps(spec | {"source_names": ["s"], "transforms": [],
-                                                                 "pipeline": None, "config_hash": "x"}))
+                                                                 "pipeline": None, "config_hash": "x",
+                                                                 "version": SPEC_VERSION}))
     layout = BatchLayout.plan([FieldSpec("index", "int64", (4,))])
     writer = BatchWriter(paths.batch(0, 0, 0), layout)
     writer.finish(0, 0, 0, {"config_hash": "x"})

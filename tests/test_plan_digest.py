@@ -117,7 +117,7 @@ def test_a_daemon_restarted_with_a_changed_parameter_adopts_nothing_and_serves_a
     leftovers = fill_and_kill(paths)
     start_job(job_config(tmp_path / "b.toml", folders, **after))  # the same job name and root
 
-    producer = BatchProducer(ProducerSpec(**json.loads((paths.dir / PRODUCER_SPEC).read_text())))
+    producer = BatchProducer(ProducerSpec.from_json(json.loads((paths.dir / PRODUCER_SPEC).read_text())))
     loader = PrefetchLoader("job", verify=True, as_tensors=False, timeout=60)
     try:
         wrong = []
@@ -145,7 +145,7 @@ def test_a_daemon_restarted_with_the_same_plan_keeps_every_leftover_and_serves_t
     start_job(config)
     assert kept_by_restart(paths) == left > 0
 
-    producer = BatchProducer(ProducerSpec(**json.loads((paths.dir / PRODUCER_SPEC).read_text())))
+    producer = BatchProducer(ProducerSpec.from_json(json.loads((paths.dir / PRODUCER_SPEC).read_text())))
     loader = PrefetchLoader("job", rank=0, world_size=2, verify=True, as_tensors=False, timeout=60)
     try:
         for step, batch in enumerate(loader):

@@ -157,8 +157,9 @@ def test_the_daemon_reports_a_config_it_cannot_read_instead_of_dying_silently(jo
     assert line, f"the daemon exited {proc.returncode} without a message: {proc.stderr[-300:]!r}"
     message = json.loads(line)
     assert proc.returncode == 70 and b"Traceback" not in proc.stderr
-    assert message["ok"] is False and message["exit_code"] == 70
-    assert "could not read the config" in message["error"] and what in message["error"]
+    assert message["ok"] is False and message["error"]["exit_code"] == 70
+    assert message["error"]["type"] == "DaemonStop"
+    assert "could not read the config" in message["error"]["message"] and what in message["error"]["message"]
     assert list(job_root.iterdir()) == []
 
 

@@ -209,7 +209,7 @@ def test_a_sample_that_blocks_every_time_stops_the_daemon_with_a_message_naming_
     assert f"(last seen at sample {HANG_SAMPLE}, {jpeg_folder}" in message and "raise --worker-timeout" in message
     assert took < 40
     wait_until(lambda: not daemon_alive(paths), what="the daemon gone")
-    assert sorted(p.name for p in paths.dir.iterdir()) == ["daemon.lock", "daemon.log"]
+    assert sorted(p.name for p in paths.dir.iterdir()) == ["daemon.lock", "daemon.log", "stopped.json"]
     assert "Traceback" not in paths.log.read_text()
     assert cli("stop", "job").returncode == 0
     print(f"\n[figure] a sample that always blocks: the daemon stopped after 3 attempts, {took:.1f} s")

@@ -8,6 +8,7 @@ environment finds a job by its name alone::
       daemon.lock        flock held by the daemon for its whole life
       daemon.sock        ZeroMQ ipc endpoint (a TCP job has none: the manifest names its endpoint)
       daemon.log
+      stopped.json       why the daemon stopped on an error: {type, message, exit_code, stopped_at}
       progress/rank-<r>  "<epoch> <step>": the next batch rank r will read
       batches/           finished batches, e<epoch>-s<step>-r<rank>.batch
       tmp/               batches being written
@@ -42,6 +43,7 @@ MANIFEST = "manifest.json"
 LOCK = "daemon.lock"
 SOCKET = "daemon.sock"
 LOG = "daemon.log"
+STOPPED = "stopped.json"
 PROGRESS_DIR = "progress"
 BATCH_DIR = "batches"
 TMP_DIR = "tmp"
@@ -57,6 +59,9 @@ DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a FIFO never blocks open()
 _WRITABLE_BY_OTHERS = 0o022
 _MAX_MANIFEST_BYTES = 1 << 20
+# The manifest's own format. The daemon (package prefetchd) writes it and the client (package
+# prefetchd-client) reads it; they are installed separately, so a client checks it first.
+MANIFEST_VERSION = 1
 _CURVE_KEY_CHARS = 40  # a CURVE public key in Z85 text
 
 
@@ -111,6 +116,10 @@ class JobPaths:
     @property
     def log(self) -> Path:
         return self.dir / LOG
+
+    @property
+    def stopped(self) -> Path:
+        return self.dir / STOPPED
 
     @property
     def progress_dir(self) -> Path:
@@ -498,6 +507,36 @@ def read_regular_file(path: str | os.PathLike, max_bytes: int, *, dir_fd: int | 
     return data
 
 
+# Its message is at most 8,192 characters (prefetchd.errors.MAX_MESSAGE_CHARS), at most 6 bytes each as JSON.
+_MAX_STOPPED_BYTES = 64 << 10
+_STOPPED_KEYS = {"type", "message", "exit_code", "stopped_at"}
+
+
+def read_stopped(paths: JobPaths, *, dir_fd: int | None = None) -> dict | None:
+    """Why the job's daemon stopped on an error, as it left it in stopped.json: ``{"type",
+    "message", "exit_code", "stopped_at"}``. None when there is none, or when the file is not
+    one a daemon writes (not JSON, other keys or types, a symlink, a FIFO): anyone who can
+    write in the folder could plant it, and a trainer must neither block on it nor fail for it.
+    With ``dir_fd`` (``OpenJob.dir_fd``) it is read in the folder that was checked."""
+    try:
+        data = read_regular_file(STOPPED if dir_fd is not None else paths.stopped, _MAX_STOPPED_BYTES, dir_fd=dir_fd)
+        stopped = json.loads(data)
+    except (OSError, ValueError, RecursionError):  # RecursionError: a few thousand nested '['
+        return None
+    if not isinstance(stopped, dict) or set(stopped) != _STOPPED_KEYS:
+        return None
+    code, at = stopped["exit_code"], stopped["stopped_at"]
+    valid = (
+        isinstance(stopped["type"], str)
+        and isinstance(stopped["message"], str)
+        and type(code) is int
+        and 0 < code < 256  # a daemon leaves stopped.json only when it ends with a non-zero exit status
+        and type(at) in (int, float)
+        and 0 <= at < 2**34  # before the year 2514: a time that time.localtime can show
+    )
+    return stopped if valid else None
+
+
 def read_manifest(paths: JobPaths, *, dir_fd: int | None = None) -> dict:
     """The manifest as a dict; FileNotFoundError when the job is not serving, ValueError for
     anything that is not a regular file holding one JSON object (deep nesting included).
@@ -532,9 +571,21 @@ _MANIFEST_VALUES = {
 }
 
 
+class VersionMismatch(ValueError):
+    """A file of the job written by another prefetchd version than this client's."""
+
+
 def check_manifest(paths: JobPaths, manifest: dict) -> dict:
     """``manifest`` if every value a client uses has its type, its endpoint is one this job
-    can have and its CURVE key is a key; ValueError naming the first that is not."""
+    can have and its CURVE key is a key; ValueError naming the first that is not
+    (VersionMismatch when another prefetchd version wrote it)."""
+    if manifest.get("manifest_version") != MANIFEST_VERSION:
+        raise VersionMismatch(
+            f"{paths.manifest} is of manifest version {str(manifest.get('manifest_version'))[:20]}, and this "
+            f"prefetchd-client reads version {MANIFEST_VERSION}: the daemon and this trainer run different "
+            "prefetchd versions; install the same version of both (pip install -U prefetchd prefetchd-client) "
+            "and restart the job"
+        )
     for key, (valid, kind) in _MANIFEST_VALUES.items():
         if not valid(manifest.get(key)):
             raise ValueError(f"{paths.manifest}: {key!r} must be {kind}, found {manifest.get(key)!r:.60}")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import stat
 import threading
 import time
 import weakref
@@ -26,11 +25,13 @@ from .errors import AuthError, BatchFormatError, BatchTimeout, DaemonDied, JobNo
 from .layout import (
     MAX_EPOCH,
     JobPaths,
+    VersionMismatch,
     check_manifest,
     daemon_alive,
     hold_trainer_lock,
     open_job,
     read_manifest,
+    read_stopped,
     release_trainer_lock,
 )
 from .readahead import ReadAhead
@@ -123,25 +124,9 @@ class _EpochSampler:
         self._loader.set_epoch(epoch)
 
 
-def _stop_reason(log_path) -> str | None:
-    """Why the daemon stopped, if its log ends with its own fatal error; None otherwise
-    (killed, or still running)."""
-    try:  # O_NONBLOCK, regular files only: a FIFO under the log's name must not block a trainer
-        fd = os.open(log_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return None
-        tail = os.pread(fd, 8192, max(0, st.st_size - 8192))
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    lines = tail.decode("utf-8", "replace").strip().splitlines()
-    last = lines[-1] if lines else ""
-    return last.split(" ERROR stopped: ", 1)[1] if " ERROR stopped: " in last else None
+def _why_it_stopped(stopped: dict) -> str:
+    """The daemon's own words from its stopped.json (layout.read_stopped), with its exit code."""
+    return f"{stopped['message']}; exit code {stopped['exit_code']}"
 
 
 class PrefetchLoader:
@@ -255,20 +240,22 @@ class PrefetchLoader:
             except ValueError as exc:
                 raise JobNotRunning(f"job {job!r} has no usable manifest ({exc}); {hint}") from None
             alive = manifest is not None and daemon_alive(self._paths, dir_fd=folder.dir_fd)
-        if not alive:
             # A daemon that stopped on its own error (a bad sample under --on-error fail, a
             # failure budget) may do so before its first trainer connects: say why.
-            reason = _stop_reason(self._paths.log)
-            if reason is not None:
+            stopped = None if alive else read_stopped(self._paths, dir_fd=folder.dir_fd)
+        if not alive:
+            if stopped is not None:
                 raise DaemonDied(
-                    f"the daemon of job {job!r} stopped ({reason}); see {self._paths.log} and restart it "
-                    "with `prefetchd start`"
+                    f"the daemon of job {job!r} stopped ({_why_it_stopped(stopped)}); see {self._paths.log} and "
+                    "restart it with `prefetchd start`"
                 )
             if manifest is None:
                 raise JobNotRunning(f"no prefetchd job {job!r} is running under {root}: {hint}")
             raise JobNotRunning(f"the daemon of job {job!r} is not running (stale {self._paths.dir}): {hint}")
         try:
             return check_manifest(self._paths, manifest)
+        except VersionMismatch as exc:
+            raise PlanMismatch(str(exc)) from None
         except ValueError as exc:
             raise JobNotRunning(f"job {job!r} has no usable manifest ({exc}); {hint}") from None
 
@@ -486,12 +473,13 @@ class PrefetchLoader:
                 # on: the reports below reach the new one and it makes what is missing.
                 alive = daemon_alive(self._paths)
                 dead_since = None if alive else (dead_since or now)
-                reason = None if alive else _stop_reason(self._paths.log)
-                if reason is not None or (dead_since is not None and now - dead_since >= self.restart_grace):
+                stopped = None if alive else read_stopped(self._paths)
+                if stopped is not None or (dead_since is not None and now - dead_since >= self.restart_grace):
+                    reason = f" ({_why_it_stopped(stopped)})" if stopped else ""
                     raise DaemonDied(
                         f"the daemon of job {self._paths.name!r} stopped while rank {self.rank} waited for "
-                        f"epoch {epoch} step {step}{f' ({reason})' if reason else ''}; see {self._paths.log} "
-                        "and restart it with `prefetchd start`"
+                        f"epoch {epoch} step {step}{reason}; see {self._paths.log} and restart it with "
+                        "`prefetchd start`"
                     )
                 reader.waiting(resend=True)  # a restarted daemon learns where this rank is
                 next_check = now + _LIVENESS_CHECK_S

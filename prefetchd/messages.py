@@ -1,0 +1,143 @@
+"""The worker protocol: what the master and a worker say to each other over the worker's pipe.
+
+One JSON object per message, ``{"op": ..., <fields>}``; each op is a frozen dataclass below
+with every field always present. ``encode`` writes one, ``decode`` reads one and checks it
+field by field (a [pipeline] callable that forks or prints can garble the pipe): anything
+else is a BadWorkerMessage, and the master replaces that worker.
+
+    master -> worker   Produce(epoch, step, rank)  |  Stop()
+    worker -> master   Ready(fields)  |  BootFailed(error)
+                       Heartbeat(samples, sample)  every HEARTBEAT_S, from a thread: ``samples``
+                           counts the sample attempts that ended, so the master can tell a task
+                           that moves from one blocked in a call that releases the GIL
+                       Done(epoch, step, rank, published, sources, replaced, longest_bad_run)
+                       Failed(epoch, step, rank, error, sample, nospace)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass
+
+MAX_MESSAGE_BYTES = 16 << 20  # a Done lists each replaced sample's path and error; a batch has a few thousand
+
+
+class BadWorkerMessage(ValueError):
+    """Bytes on a worker's pipe that are not one message of this protocol."""
+
+
+@dataclass(frozen=True)
+class Produce:
+    epoch: int
+    step: int
+    rank: int
+
+
+@dataclass(frozen=True)
+class Stop:
+    pass
+
+
+@dataclass(frozen=True)
+class Ready:
+    fields: list  # FieldSpec.to_json() of each field of a batch: the layout every worker computes
+
+
+@dataclass(frozen=True)
+class BootFailed:
+    error: str  # the traceback, last frames
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    samples: int
+    sample: list | None  # [sample id, path] being made, or None between samples
+
+
+@dataclass(frozen=True)
+class Done:
+    epoch: int
+    step: int
+    rank: int
+    published: bool  # False: its rank moved on, and the batch was not linked
+    sources: list  # samples per source
+    replaced: list  # {"slot", "index", "path", "error", "replacement"} per bad sample replaced
+    longest_bad_run: int
+
+    @property
+    def task(self) -> tuple[int, int, int]:
+        return self.epoch, self.step, self.rank
+
+
+@dataclass(frozen=True)
+class Failed:
+    epoch: int
+    step: int
+    rank: int
+    error: str
+    sample: bool  # a sample could not be read, and on_error is "fail"
+    nospace: bool  # the tmpfs is full
+
+    @property
+    def task(self) -> tuple[int, int, int]:
+        return self.epoch, self.step, self.rank
+
+
+Message = Produce | Stop | Ready | BootFailed | Heartbeat | Done | Failed
+_OPS = {"produce": Produce, "stop": Stop, "ready": Ready, "boot_failed": BootFailed, "heartbeat": Heartbeat}
+_OPS |= {"done": Done, "failed": Failed}
+_OP_OF = {cls: op for op, cls in _OPS.items()}
+_REPLACED_KEYS = {"slot": int, "index": int, "path": str, "error": str, "replacement": int}
+
+
+def encode(msg: Message) -> bytes:
+    return json.dumps({"op": _OP_OF[type(msg)], **dataclasses.asdict(msg)}).encode()
+
+
+def decode(data: bytes) -> Message:
+    """The message in ``data``, every field checked; BadWorkerMessage naming what is wrong."""
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise BadWorkerMessage(f"{len(data)} bytes, more than {MAX_MESSAGE_BYTES}")
+    try:
+        obj = json.loads(data)
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested past the parser
+        raise BadWorkerMessage("not a JSON object") from None
+    if not isinstance(obj, dict) or type(obj.get("op")) is not str or obj["op"] not in _OPS:
+        raise BadWorkerMessage(f"no known op in {str(obj)[:80]!r}")
+    cls = _OPS[obj.pop("op")]
+    hints = typing.get_type_hints(cls)
+    if set(obj) != set(hints):
+        raise BadWorkerMessage(f"{cls.__name__} needs the fields {sorted(hints)}, got {sorted(obj)}")
+    for name, hint in hints.items():
+        if not _is(obj[name], hint):
+            raise BadWorkerMessage(f"{cls.__name__}.{name} must be {hint}, got {str(obj[name])[:80]!r}")
+    if cls is Heartbeat and obj["sample"] is not None and not _is_sample(obj["sample"]):
+        raise BadWorkerMessage(f"Heartbeat.sample must be [id, path], got {str(obj['sample'])[:80]!r}")
+    if cls is Done and not _is_done_lists(obj):
+        raise BadWorkerMessage("Done.sources must list counts, Done.replaced the replaced samples")
+    return cls(**obj)
+
+
+def _is(value, hint) -> bool:
+    """Whether a JSON value has the declared type; bool is not an int here."""
+    if isinstance(hint, types.UnionType):
+        return any(_is(value, h) for h in typing.get_args(hint))
+    if hint is type(None):
+        return value is None
+    if hint is int:
+        return type(value) is int
+    return isinstance(value, hint)
+
+
+def _is_sample(value: list) -> bool:
+    return len(value) == 2 and type(value[0]) is int and isinstance(value[1], str)
+
+
+def _is_done_lists(obj: dict) -> bool:
+    return all(type(n) is int and n >= 0 for n in obj["sources"]) and all(
+        isinstance(r, dict) and set(r) == set(_REPLACED_KEYS) and all(_is(r[k], t) for k, t in _REPLACED_KEYS.items())
+        for r in obj["replaced"]
+    )

@@ -1,0 +1,243 @@
+"""The worker processes: spawn them, talk to them over their pipes, judge their liveness,
+bury the dead and start their replacements. What a death or a result means for the job
+(retries, budgets, the ledger) is the master's business; this module only reports them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import time
+from dataclasses import dataclass, field
+
+from prefetchd_client.batchfile import FieldSpec
+
+from . import messages
+from .errors import DaemonStop, ExitCode, JobError
+from .job import Job
+from .worker import HEARTBEAT_S, worker_main
+
+log = logging.getLogger("prefetchd")
+
+WORKER_BOOT_TIMEOUT_S = 120.0
+_WORKER_STOP_TIMEOUT_S = 5.0
+
+
+@dataclass
+class WorkerSlot:
+    process: multiprocessing.Process
+    conn: multiprocessing.connection.Connection
+    ready: bool = False
+    task: tuple[int, int] | None = None  # (rank, linear index)
+    last_heard: float = field(default_factory=time.monotonic)
+    # Liveness is progress: the heartbeat thread beats on while the sample loop is blocked in a
+    # call that releases the GIL (a read on a hung mount), so a busy worker must also finish samples.
+    samples_finished: int = 0  # the worker's count of sample attempts that ended, as last heard
+    progressed_at: float = field(default_factory=time.monotonic)  # the count last moved, or the task began
+    making: list | None = None  # [sample id, path] it last said it was making
+    hung: bool = False  # killed by kill_hung: a hang of its task counts as a failed attempt
+    reaped: bool = False  # its death is accounted for, its replacement maybe not yet spawned
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def note_heartbeat(self, beat: messages.Heartbeat) -> None:
+        if beat.samples != self.samples_finished:
+            self.samples_finished = beat.samples
+            self.progressed_at = self.last_heard
+        self.making = beat.sample
+
+    def making_text(self) -> str:
+        """' (last seen at sample 5, /data/x.jpg)', or '' when it did not say (a silent worker's
+        last beat may predate the sample it is stuck on)."""
+        if self.making is not None:
+            return f" (last seen at sample {self.making[0]}, {self.making[1]})"
+        return ""
+
+
+class WorkerPool:
+    def __init__(self, job: Job):
+        self.job = job
+        self._spec_json = json.dumps(job.spec.to_json())
+        self._fields: list[FieldSpec] = []  # the batch layout's fields, as the first worker to boot said
+        self.slots: list[WorkerSlot] = []
+        self.changed = True  # slots were replaced since the master last registered their pipes
+
+    def spawn_all(self) -> None:
+        for _ in range(self.job.config.workers):
+            self.slots.append(self._spawn())
+
+    def _spawn(self) -> WorkerSlot:
+        ctx = multiprocessing.get_context("spawn")
+        parent_conn, child_conn = ctx.Pipe()
+        process = ctx.Process(
+            target=worker_main,
+            args=(self._spec_json, child_conn, self.job.config.worker_nice),
+            daemon=True,
+            name="prefetchd-worker",
+        )
+        process.start()
+        child_conn.close()
+        self.changed = True
+        return WorkerSlot(process, parent_conn)
+
+    def await_first(self) -> list[FieldSpec]:
+        """Wait for one worker to boot; its fields are the batch layout (they all compute the same)."""
+        deadline = time.monotonic() + WORKER_BOOT_TIMEOUT_S
+        while time.monotonic() < deadline:
+            for slot in self.slots:
+                self.receive(slot)  # no task is out yet: nothing but its boot to hear
+                if slot.ready:
+                    return self._fields
+                if not slot.process.is_alive() and not slot.conn.poll(0):
+                    raise JobError(
+                        f"a worker exited with code {slot.process.exitcode} while booting; see {self.job.paths.log}"
+                    )
+            multiprocessing.connection.wait([s.conn for s in self.slots], timeout=0.2)
+        raise JobError(f"no worker booted within {WORKER_BOOT_TIMEOUT_S:.0f} s; see {self.job.paths.log}")
+
+    def receive(self, slot: WorkerSlot) -> list[messages.Message]:
+        """The worker's messages waiting on its pipe. Heartbeats and its boot are handled here;
+        the results are returned. A boot failure stops the daemon (DaemonStop)."""
+        results = []
+        try:
+            while slot.conn.poll(0):
+                try:
+                    msg = messages.decode(slot.conn.recv_bytes())
+                except messages.BadWorkerMessage as exc:
+                    # interleaved writes (a callable that forked): the pipe is broken
+                    log.warning("unreadable message from worker pid %d (%s); replacing it", slot.pid, exc)
+                    slot.process.kill()
+                    return results
+                slot.last_heard = time.monotonic()
+                if isinstance(msg, messages.Heartbeat):
+                    slot.note_heartbeat(msg)
+                elif isinstance(msg, messages.BootFailed):
+                    self._boot_failed(msg)
+                elif isinstance(msg, messages.Ready):
+                    slot.ready = True
+                    self._fields = [FieldSpec.from_json(f) for f in msg.fields]
+                else:
+                    results.append(msg)
+        except (EOFError, OSError):
+            pass  # the worker is gone; the master buries it
+        return results
+
+    def _boot_failed(self, msg: messages.BootFailed) -> None:
+        log.error("worker failed to boot:\n%s", msg.error)
+        last = msg.error.strip().splitlines()[-1] if msg.error.strip() else "(no message)"
+        raise DaemonStop(
+            f"a worker could not start: {last} (full traceback in {self.job.paths.log})", ExitCode.WORKER_BOOT
+        )
+
+    def send_task(self, slot: WorkerSlot, rank: int, index: int) -> bool:
+        """Hand ``slot`` its task; False when its worker is dying (the master replaces it)."""
+        epoch, step = self.job.plan.unlinear(index)
+        try:
+            slot.conn.send_bytes(messages.encode(messages.Produce(epoch=epoch, step=step, rank=rank)))
+        except OSError:
+            return False
+        slot.task = (rank, index)
+        slot.progressed_at = time.monotonic()  # a new task: its first sample has the whole timeout
+        return True
+
+    def kill_hung(self, now: float) -> None:
+        """Liveness is progress. A worker silent for --worker-timeout (stopped, or stuck holding
+        the GIL) is killed, and so is a busy one that finished no sample in that time (blocked in
+        a call that releases the GIL: its heartbeat thread beats on). The master then buries it,
+        reissues its batch and counts the hang against the batch.
+
+        One sample that legitimately takes longer than --worker-timeout looks the same as a hung
+        one: its worker is killed each time and the daemon stops after a few attempts; the
+        message says to raise --worker-timeout above the slowest sample (not the whole batch).
+        """
+        for slot in self.slots:
+            if not slot.process.is_alive():
+                continue
+            why = self._hang(slot, now)
+            if why is None:
+                continue
+            timeout = self.job.config.worker_timeout
+            log.warning("worker pid %d %s (--worker-timeout %g s); killing it", slot.pid, why, timeout)
+            slot.hung = True
+            slot.process.kill()
+            slot.process.join(5.0)
+
+    def _hang(self, slot: WorkerSlot, now: float) -> str | None:
+        """Why ``slot``'s worker counts as hung, or None while it lives and moves."""
+        timeout = self.job.config.worker_timeout
+        # Booting (an interpreter and its imports, on a loaded machine) has its own deadline.
+        silence_allowed = timeout if slot.ready else max(timeout, WORKER_BOOT_TIMEOUT_S)
+        if now - slot.last_heard > silence_allowed:
+            return f"silent for {now - slot.last_heard:.0f} s"
+        # Progress is heard once a heartbeat: a sample just under the timeout is not a hang.
+        if slot.task is None or now - slot.progressed_at <= timeout + HEARTBEAT_S:
+            return None
+        stalled = now - slot.progressed_at
+        name = self.job.batch_name(*slot.task)
+        return f"finished no sample of batch {name} for {stalled:.0f} s{slot.making_text()}"
+
+    def newly_dead(self) -> list[WorkerSlot]:
+        """Dead workers whose death the master has not accounted for yet."""
+        return [s for s in self.slots if not s.reaped and not s.process.is_alive()]
+
+    def bury(self, slot: WorkerSlot) -> int | None:
+        """Close a dead worker's pipe and remove its files; its exit code."""
+        slot.conn.close()
+        self._sweep_files(slot.pid)
+        slot.reaped = True
+        return slot.process.exitcode
+
+    def _sweep_files(self, pid: int) -> None:
+        """Remove a dead worker's temporary files (``tmp/<batch>.<pid>``). Its own ``finally``
+        never ran after a kill -9: an empty or whole batch outside the ledger and, once it had
+        linked the batch, a second name that keeps the batch's pages after it is deleted."""
+        suffix = f".{pid}"
+        with os.scandir(self.job.paths.tmp_dir) as entries:
+            for entry in entries:
+                if entry.name.endswith(suffix):
+                    try:
+                        os.unlink(entry.path)
+                    except FileNotFoundError:
+                        pass
+
+    def respawn_buried(self) -> None:
+        """Start a replacement for each buried worker. A spawn that fails (out of descriptors)
+        leaves its slot buried, and the next turn tries again."""
+        for i, slot in enumerate(self.slots):
+            if slot.reaped:
+                self.changed = True  # before the spawn: a dead slot's closed pipe must not stay registered
+                self.slots[i] = self._spawn()
+
+    def wait_handles(self) -> list:
+        """What the loop waits on for the workers: each pipe, and each process's death."""
+        live = [s for s in self.slots if not s.conn.closed]
+        return [s.conn.fileno() for s in live] + [s.process.sentinel for s in live]
+
+    def halt(self) -> None:
+        """Ask workers to stop, wait up to the deadline, then kill what is left."""
+        for slot in self.slots:
+            try:
+                slot.conn.send_bytes(messages.encode(messages.Stop()))
+            except OSError:
+                pass
+        deadline = time.monotonic() + _WORKER_STOP_TIMEOUT_S
+        for slot in self.slots:
+            slot.process.join(max(0.0, deadline - time.monotonic()))
+            if slot.process.is_alive():
+                log.warning("worker pid %d did not stop in time; killing it", slot.pid)
+                slot.process.kill()
+                slot.process.join(2.0)
+            slot.conn.close()
+        self.slots = []
+
+    def snapshot(self) -> list[dict]:
+        """Each worker's pid, whether it is busy, and with which batch (for status)."""
+        return [
+            {"pid": s.pid, "ready": s.ready, "task": None if s.task is None else self.job.batch_name(*s.task)}
+            for s in self.slots
+        ]

@@ -1,0 +1,322 @@
+"""Every key of the job config, declared once: its section, type, default, rule, help and flag.
+
+The table below is the single source for what a config file accepts (``prefetchd.config``),
+the flags of ``prefetchd start`` (``prefetchd.cli``), the config that ``prefetchd status
+--json`` echoes (``echo``) and the README's config table (``markdown_table``). A new key is
+one more ``Setting`` here and one field of ``Config``; a test fails when they disagree.
+
+``[[source]]`` and ``[[transform]]`` are arrays of tables, not keys: ``prefetchd.config``
+checks them, ``--data`` replaces the only source's folder.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass
+from typing import TYPE_CHECKING, Any
+
+from prefetchd_client.layout import MAX_RANK, check_job_name
+from prefetchd_client.transport import parse_tcp_endpoint
+
+from . import fastdecode
+from .errors import ConfigError
+from .plan import MIX_RULES
+from .sizes import parse_size
+
+if TYPE_CHECKING:
+    from .config import Config  # config builds on this table: no import at run time
+
+SECTIONS = ("job", "daemon", "mix", "pipeline")
+Rule = tuple[Callable[[Any], bool], str]  # (is the value valid, what "must be" it is)
+
+
+@dataclass(frozen=True)
+class Setting:
+    section: str
+    key: str
+    types: tuple[type, ...]  # the first is the flag's type
+    _: KW_ONLY
+    help: str  # one line: the README's and ``--help``'s meaning of the key
+    default: Any = None  # None: unset (the key is optional)
+    default_factory: Callable[[], Any] | None = None  # a default that depends on the machine
+    default_text: str = ""  # the default as people read it, where the value alone does not say
+    choices: tuple[str, ...] = ()
+    rules: tuple[Rule, ...] = ()
+    # A last check that may turn the value into what Config holds (a size into bytes);
+    # its ValueError's text follows "[section] key / --flag: ".
+    check: Callable[[Any], Any] | None = None
+    field: str = ""  # Config's attribute; default: the key
+    option: str = ""  # the flag without its dashes, and the key of build_config's overrides; default: the key
+    metavar: str = ""
+    type_text: str = ""  # the README's type column, where the types alone do not say
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "field", self.field or self.key)
+        object.__setattr__(self, "option", self.option or self.key)
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.option.replace("_", "-")
+
+    @property
+    def flag_decls(self) -> str:
+        """The flag as click declares it: a boolean has its negative form beside it."""
+        return f"{self.flag}/--no-{self.flag[2:]}" if self.types == (bool,) else self.flag
+
+    @property
+    def where(self) -> str:
+        return f"[{self.section}] {self.key}"
+
+    def default_value(self) -> Any:
+        return self.default_factory() if self.default_factory is not None else self.default
+
+    def shown_default(self) -> str:
+        """The default as ``--help`` and the README show it; empty when the key is unset by default."""
+        if self.default_text:
+            return self.default_text
+        if self.default is None:
+            return ""
+        return str(self.default).lower() if isinstance(self.default, bool) else str(self.default)
+
+    def validate(self, value: Any) -> Any:
+        """``value`` (from the file or a flag) checked against the key's type and rules, as Config holds it.
+
+        ConfigError names the key and its flag, says what is accepted and shows the value.
+        """
+        _check_type(value, self.types, self.where)
+        if float in self.types:
+            value = float(value)  # an int where a float is meant: 60 seconds is 60.0
+        # "[daemon] retain / --retain"; a flag named apart from its key comes first, so the
+        # message still reads "[mix] epoch must be ...": "--mix / [mix] epoch must be ...".
+        name = f"{self.where} / {self.flag}" if self.option == self.key else f"{self.flag} / {self.where}"
+        if self.choices and value not in self.choices:
+            raise ConfigError(f"{name} must be one of {', '.join(self.choices)}, got {value!r}")
+        for valid, requirement in self.rules:
+            if not valid(value):
+                raise ConfigError(f"{name} must be {requirement}, got {value!r}")
+        if self.check is not None:
+            try:
+                value = self.check(value)
+            except ValueError as exc:
+                raise ConfigError(f"{name}: {exc}") from None
+        return value
+
+
+def _check_type(value: Any, types: tuple[type, ...], where: str) -> None:
+    # bool is an int in Python; a flag like world_size = true is still a mistake.
+    if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+        names = " or ".join(t.__name__ for t in types)
+        raise ConfigError(f"{where} must be {names}, got {value!r}")
+
+
+def default_workers() -> int:
+    return max(1, (os.cpu_count() or 2) - 1)
+
+
+def _is_endpoint(text: str) -> bool:
+    if text == "ipc":
+        return True
+    try:
+        parse_tcp_endpoint(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _decoder_installed(decoder: str) -> str:
+    if decoder == "simplejpeg":
+        try:
+            fastdecode.require()
+        except ImportError as exc:
+            raise ValueError(str(exc)) from None
+    return decoder
+
+
+def _at_least(n: int) -> Rule:
+    return (lambda v: v >= n, f"at least {n}")
+
+
+_NOT_NEGATIVE: Rule = (lambda v: v >= 0, "0 or more")
+_ENDPOINT_FORMS = (
+    "ipc or tcp://HOST:PORT with HOST an IP address, localhost or * and PORT 1-65535 "
+    "(e.g. tcp://127.0.0.1:5555; IPv6 in brackets: tcp://[::1]:5555)"
+)
+
+SETTINGS: tuple[Setting, ...] = (
+    # -- [job]: what the plan is made of
+    Setting(
+        "job", "name", (str,),
+        help="the job directory's name: 1-64 letters, digits, '.', '_' or '-'",
+        default_text="the config file's stem (without one: default)",
+        check=check_job_name,
+    ),
+    Setting(
+        "job", "seed", (int,),
+        help="keys the epoch permutations and every sample's augmentation",
+        default=0,
+        rules=((lambda v: v >= 0, "non-negative"),),
+    ),
+    Setting(
+        "job", "world_size", (int,),
+        help="trainer ranks that read this job",
+        default=1,
+        # batch file names hold four digits of rank
+        rules=(_at_least(1), (lambda v: v <= MAX_RANK + 1, f"at most {MAX_RANK + 1}")),
+    ),
+    Setting(
+        "job", "batch_size", (int,),
+        help="samples per batch, per rank",
+        default=32,
+        rules=(_at_least(1),),
+    ),
+    Setting(
+        "job", "drop_last", (bool,),
+        help="false: the last step is padded by wrapping to the epoch's start, so ranks stay equal",
+        default=True,
+    ),
+    Setting(
+        "job", "decoder", (str,),
+        help="the JPEG decoder: pillow, or simplejpeg (libjpeg-turbo and OpenCV: pip install 'prefetchd[fast]'), "
+        "faster, with slightly different pixels",
+        default="pillow",
+        choices=fastdecode.DECODERS,
+        check=_decoder_installed,
+    ),
+    # -- [daemon]: how this node serves it
+    Setting(
+        "daemon", "buffer", (str, int),
+        help="the byte bound of the buffer: bytes, or a number with K, M, G or T (powers of 1024)",
+        default="1G",
+        check=parse_size,
+        field="buffer_bytes",
+        metavar="SIZE",
+        type_text="size",
+    ),
+    Setting(
+        "daemon", "workers", (int,),
+        help="worker processes",
+        default_factory=default_workers,
+        default_text="cores - 1, at least 1",
+        rules=(_at_least(1),),
+    ),
+    Setting(
+        "daemon", "retain", (int,),
+        help="consumed batches kept per rank, so a trainer restarted a few steps back is served warm",
+        default=2,
+        rules=(_NOT_NEGATIVE,),
+    ),
+    Setting(
+        "daemon", "on_error", (str,),
+        help="an unreadable sample: replace it (recorded in the batch header) or fail",
+        default="replace",
+        choices=("replace", "fail"),
+    ),
+    Setting(
+        "daemon", "max_bad_rate", (float, int),
+        help="stop when more of the samples than this are unreadable",
+        default=0.25,
+        rules=((lambda v: 0 < v <= 1, "in (0, 1]"),),
+        type_text="number",
+    ),
+    Setting(
+        "daemon", "worker_timeout", (float, int),
+        help="seconds a busy worker may finish no sample (any worker: send no heartbeat) before it is replaced; "
+        "above your slowest sample",
+        default=60,
+        rules=((lambda v: v > 0, "positive"),),
+        type_text="number",
+    ),
+    Setting(
+        "daemon", "max_worker_restarts", (int,),
+        help="worker deaths tolerated per minute before the daemon stops",
+        default=20,
+        rules=(_NOT_NEGATIVE,),
+    ),
+    Setting(
+        "daemon", "worker_nice", (int,),
+        help="the workers' CPU niceness, 0-19: below the trainer, whose threads then run first when they wake",
+        default=10,
+        rules=((lambda v: 0 <= v <= 19, "a niceness from 0 (as the trainer) to 19 (lowest priority)"),),
+    ),
+    Setting(
+        "daemon", "on_trainer_exit", (str,),
+        help="a rank's trainer process is gone: keep its window (a warm restart) or release it",
+        default="keep",
+        choices=("keep", "release"),
+    ),
+    Setting(
+        "daemon", "endpoint", (str,),
+        help="the control socket: ipc (daemon.sock in the job folder) or tcp://HOST:PORT, loopback unless CURVE "
+        "is set",
+        default="ipc",
+        rules=((_is_endpoint, _ENDPOINT_FORMS),),
+    ),
+    Setting(
+        "daemon", "curve_secret_key", (str,),
+        help="CURVE for a TCP endpoint: the server's secret certificate (.key_secret), a file of yours, mode 0600",
+        rules=((lambda v: v != "", "the path of the server's secret certificate"),),
+        metavar="FILE",
+        type_text="path",
+    ),
+    Setting(
+        "daemon", "curve_authorized_keys", (str,),
+        help="with curve_secret_key: a folder of yours of the admitted clients' public certificates (*.key)",
+        rules=((lambda v: v != "", "the path of a folder of client public certificates"),),
+        metavar="DIR",
+        type_text="path",
+    ),
+    # -- one key each: the epoch rule of weighted sources, your own per-sample code
+    Setting(
+        "mix", "epoch", (str,),
+        help="how an epoch of weighted sources ends. cycle: once the source with the most samples per unit of "
+        "weight has given each once; first_exhausted: before any source would repeat; all_once: every sample "
+        "once, weights ignored",
+        default="cycle",
+        choices=MIX_RULES,
+        field="mix",
+        option="mix",
+    ),
+    Setting(
+        "pipeline", "callable", (str,),
+        help="your own per-sample function, instead of [[transform]]",
+        rules=((lambda v: v.count(":") == 1, "like 'package.module:function'"),),
+        field="pipeline",
+        option="pipeline",
+        metavar="MODULE:FUNCTION",
+    ),
+)
+BY_OPTION = {s.option: s for s in SETTINGS}
+
+
+def section_keys(section: str) -> list[str]:
+    return [s.key for s in SETTINGS if s.section == section]
+
+
+def echo(config: Config) -> dict:
+    """The config's keys as ``{section: {key: value}}`` (JSON-serialisable): what
+    ``prefetchd status --json`` shows. Values are those a config file may hold (the buffer in
+    bytes); unset keys are None."""
+    echoed: dict[str, dict] = {section: {} for section in SECTIONS}
+    for s in SETTINGS:
+        echoed[s.section][s.key] = getattr(config, s.field)
+    return echoed
+
+
+def _type_text(s: Setting) -> str:
+    if s.type_text:
+        return s.type_text
+    if s.choices:
+        quoted = [f"`{c}`" for c in s.choices]
+        return ", ".join(quoted[:-1]) + " or " + quoted[-1]
+    return s.types[0].__name__
+
+
+def markdown_table() -> str:
+    """The README's table of config keys: key, flag, type, default and meaning."""
+    rows = ["| key | flag | type | default | meaning |", "|---|---|---|---|---|"]
+    for s in SETTINGS:
+        default = s.default_text or (f"`{s.shown_default()}`" if s.shown_default() else "unset")
+        cells = (f"`{s.where}`", f"`{s.flag_decls}`", _type_text(s), default, s.help)
+        rows.append("| " + " | ".join(cell.replace("|", "\\|") for cell in cells) + " |")
+    return "\n".join(rows) + "\n"

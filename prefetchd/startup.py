@@ -1,0 +1,88 @@
+"""Start-up: build every part of a job's master, or, failing, remove only what this start made."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import zmq
+
+from prefetchd_client.layout import JobPaths
+
+from . import control
+from .buffer import Buffer
+from .config import Config
+from .errors import start_failure
+from .intake import PeerIntake
+from .job import build_job, fit_layout, write_manifest
+from .jobdir import JobDir
+from .logsetup import log_start_failure, log_to, raise_descriptor_limit
+from .master import Master
+from .pool import WorkerPool
+from .producer import builtin_fields
+from .progress_watch import ProgressWatcher
+from .sizes import format_size
+
+log = logging.getLogger("prefetchd")
+
+
+def start_master(config: Config, paths: JobPaths, *, keep: bool = False) -> Master:
+    """Lock the job, index the data, boot workers, bind the socket, write the manifest; the
+    Master, every part built.
+
+    A start that fails removes only what it made (JobDir.remove_what_this_start_made): a
+    killed daemon's warm buffer survives a typo in --data, and its log, kept, says why."""
+    jobdir = JobDir(paths)
+    jobdir.note_existing()
+    jobdir.acquire()  # raises without touching anything if another daemon runs
+    context = zmq.Context()
+    pool = server = watcher = None
+    try:
+        jobdir.prepare()
+        log_to(paths.log)
+        raise_descriptor_limit()
+        log.info("starting job %s (pid %d): %s", paths.name, os.getpid(), json.dumps(config.to_json()))
+        job = build_job(config, paths)
+        # The built-in pipeline's fields are known now: refuse a bad buffer before booting anything.
+        known = None
+        if config.pipeline is None:
+            known = fit_layout(job, builtin_fields(config.batch_size, list(config.transforms)))
+        pool = WorkerPool(job)
+        pool.spawn_all()
+        fields = pool.await_first()
+        layout, capacity = known or fit_layout(job, fields)
+        server = control.bind_server(context, paths, config)  # ipc, or TCP by --endpoint
+        buffer = Buffer(job, layout, capacity)
+        # After the last step that can fail on a setting (the bind): adoption deletes the
+        # leftovers of another plan, which a start that then failed must not have cost.
+        buffer.free_retired(time.monotonic(), sweep=True)  # a previous daemon's retired batches
+        buffer.adopt_leftovers()
+        watcher = ProgressWatcher(str(paths.progress_dir))
+        watcher.start()
+        master = Master(job, jobdir, pool, buffer, PeerIntake(job, server, watcher), context, keep)
+        window = buffer.scheduler.window
+        write_manifest(
+            job, layout, window=window, endpoint=server.endpoint, curve_public_key=server.public_key,
+            started_at=master.started_at,
+        )
+        log.info(
+            "serving: %d batches/epoch/rank of %s, window %d batches/rank, bound %s",
+            job.plan.batches_per_epoch,
+            format_size(layout.size),
+            window,
+            format_size(config.buffer_bytes),
+        )
+        return master
+    except BaseException as exc:
+        log_start_failure(exc)
+        for close in (pool and pool.halt, watcher and watcher.stop, server and server.close, context.term):
+            if close:
+                close()
+        try:
+            jobdir.remove_what_this_start_made(start_failure(exc, paths.log))
+        except OSError as cleanup:  # never hide why the start failed behind this
+            log.warning("could not remove what the failed start made: %s", cleanup)
+        jobdir.release()
+        raise
