@@ -17,19 +17,11 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from prefetchd_client.errors import AuthError
-from prefetchd_client.layout import (
-    JobPaths,
-    OpenJob,
-    UnsafeFolder,
-    check_manifest,
-    daemon_alive,
-    open_job,
-    open_private_dir,
-    read_manifest,
-    read_stopped,
-    resolve_root,
-)
+from prefetchd_client.errors import AuthError, UnsafeFolder
+from prefetchd_client.folders import OpenJob, open_job, open_private_dir
+from prefetchd_client.layout import JobPaths, resolve_root
+from prefetchd_client.locks import daemon_alive
+from prefetchd_client.manifest import check_manifest, read_manifest, read_stopped
 
 from . import control, settings
 from .config import load_config
@@ -81,7 +73,7 @@ def _check_ipc_path(paths: JobPaths) -> None:
 
 
 def _open_job(paths: JobPaths) -> OpenJob:
-    """The job's root and folder, checked (prefetchd_client.layout.open_job); a clear error
+    """The job's root and folder, checked (prefetchd_client.folders.open_job); a clear error
     and exit 4 when either is missing or is not this user's private folder."""
     try:
         return open_job(paths)

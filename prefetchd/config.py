@@ -49,9 +49,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from prefetchd_client.batchfile import VERSION as BATCH_FORMAT_VERSION
-from prefetchd_client.transport import load_secret_certificate, parse_tcp_endpoint
+from prefetchd_client.layout import parse_tcp_endpoint
+from prefetchd_client.transport import load_secret_certificate
 
-from . import settings, transforms
+from . import fastdecode, settings, transforms
 from .curve import load_authorized_keys
 from .errors import ConfigError
 from .settings import default_workers as default_workers  # scripts/bench.py imports it from here
@@ -223,6 +224,14 @@ def _check_source(i: int, src, base: Path) -> dict:
     return {**src, "name": name, key: _resolve(src[key], base)}
 
 
+def _check_decoder_installed(decoder: str) -> None:
+    if decoder == "simplejpeg":
+        try:
+            fastdecode.require()
+        except ImportError as exc:
+            raise ConfigError(f"{settings.BY_OPTION['decoder'].where} / --decoder: {exc}") from None
+
+
 def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | None = None) -> Config:
     """Validate a parsed TOML document plus flag overrides into a Config.
 
@@ -240,6 +249,7 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
     tables["job"].setdefault("name", default_name)
     values = {s.field: _checked_value(s, tables[s.section]) for s in settings.SETTINGS}
     values = _check_endpoint(values, base, overrides)
+    _check_decoder_installed(values["decoder"])
     sources = _check_sources(raw.get("source", []), data, base)
 
     specs = raw.get("transform", [])

@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from prefetchd_client.layout import SOCKET, JobPaths, read_manifest, valid_curve_key, valid_endpoint
-from prefetchd_client.transport import client_curve, connect, load_secret_certificate, parse_tcp_endpoint
+from prefetchd_client.layout import SOCKET, JobPaths, parse_tcp_endpoint
+from prefetchd_client.manifest import read_manifest, valid_curve_key, valid_endpoint
+from prefetchd_client.transport import client_curve, connect, load_secret_certificate
 
 from .curve import load_authorized_keys
 from .errors import ConfigError
@@ -176,7 +177,7 @@ def _serve_curve(context: zmq.Context, server: ControlServer, config: Config) ->
 
 def job_endpoint(paths: JobPaths, *, dir_fd: int | None = None) -> tuple[str, str | None]:
     """Where a job's daemon listens, and its CURVE public key (None without CURVE): from the
-    manifest (read in the checked folder ``dir_fd``, see prefetchd_client.layout.open_job);
+    manifest (read in the checked folder ``dir_fd``, see prefetchd_client.folders.open_job);
     the ipc socket while there is none yet, or when its values are not an endpoint and a key."""
     try:
         manifest = read_manifest(paths, dir_fd=dir_fd)

@@ -22,8 +22,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from prefetchd_client.errors import AuthError
-from prefetchd_client.layout import JobPaths, OpenJob, UnsafeFolder, daemon_alive, lock_holder, open_job
+from prefetchd_client.errors import AuthError, UnsafeFolder
+from prefetchd_client.folders import OpenJob, open_job
+from prefetchd_client.layout import JobPaths
+from prefetchd_client.locks import daemon_alive, lock_holder
 
 from . import control
 from .config import Config

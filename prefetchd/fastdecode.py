@@ -25,8 +25,6 @@ import math
 import numpy as np
 from PIL import Image
 
-DECODERS = ("pillow", "simplejpeg")
-
 # Imported on first use (a worker of a job that asked for this decoder): the CLI and the
 # master never pay for OpenCV.
 cv2 = simplejpeg = None

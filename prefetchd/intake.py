@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 import zmq
 
-from prefetchd_client.layout import MAX_EPOCH, trainer_state
+from prefetchd_client.layout import MAX_EPOCH
+from prefetchd_client.locks import trainer_state
 
 from . import control
 from .errors import DaemonStop

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 from prefetchd_client.batchfile import VERSION as BATCH_FORMAT_VERSION
 from prefetchd_client.batchfile import BatchLayout, FieldSpec
-from prefetchd_client.layout import MANIFEST_VERSION, JobPaths
+from prefetchd_client.layout import JobPaths
+from prefetchd_client.manifest import MANIFEST_VERSION
 
 from .config import Config, content_hash, plan_digest
 from .errors import ConfigError, DataError

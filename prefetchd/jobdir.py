@@ -17,16 +17,10 @@ import shutil
 import time
 from pathlib import Path
 
-from prefetchd_client.layout import (
-    DIR_FLAGS,
-    LOCK,
-    STOPPED,
-    JobPaths,
-    UnsafeFolder,
-    check_folders_above,
-    open_private_dir,
-    read_manifest,
-)
+from prefetchd_client.errors import UnsafeFolder
+from prefetchd_client.folders import DIR_FLAGS, check_folders_above, open_private_dir
+from prefetchd_client.layout import LOCK, STOPPED, JobPaths
+from prefetchd_client.manifest import read_manifest
 
 from .errors import JobError, UserError, to_json
 
@@ -40,7 +34,7 @@ def ensure_private_dir(path: Path, what: str, *, dir_fd: int | None = None) -> i
 
     /dev/shm is world-writable: a folder that someone else created in advance (or a symlink
     planted there) would let them read or replace batches. The check is the client's, the one
-    every entry point runs (prefetchd_client.layout.open_private_dir).
+    every entry point runs (prefetchd_client.folders.open_private_dir).
     """
     try:
         os.mkdir(path.name if dir_fd is not None else path, 0o700, dir_fd=dir_fd)

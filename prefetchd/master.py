@@ -36,6 +36,7 @@ log = logging.getLogger("prefetchd")
 _LOOP_TICK_MS = 50
 _OUT_OF_DESCRIPTORS_S = 0.5  # pause after EMFILE/ENFILE: let peers' connections time out
 _DESCRIPTOR_WARNINGS_LOGGED = 10
+_REPLACED_LOGGED = ("index", "path", "error", "replacement")  # of a bad sample a batch replaced
 
 
 class Master:
@@ -172,13 +173,7 @@ class Master:
             self.produced_per_source[i] += n
         self._count_published(rank, index)
         for bad in msg.replaced:
-            log.warning(
-                "bad sample %d (%s): %s; replaced by sample %d",
-                bad["index"],
-                bad["path"],
-                bad["error"],
-                bad["replacement"],
-            )
+            log.warning("bad sample %d (%s): %s; replaced by sample %d", *(bad[k] for k in _REPLACED_LOGGED))
         self.samples.add_batch(self.config.batch_size, msg.replaced, msg.longest_bad_run)
 
     def _count_published(self, rank: int, index: int) -> None:
@@ -282,12 +277,8 @@ class Master:
         self.pool.halt()
         self.intake.close()
         self._context.term()
-        log.info(
-            "stopped (produced %d, deleted %d, peak %s)",
-            self.produced,
-            self.buffer.deleted,
-            format_size(self.buffer.peak_bytes),
-        )
+        peak = format_size(self.buffer.peak_bytes)
+        log.info("stopped (produced %d, deleted %d, peak %s)", self.produced, self.buffer.deleted, peak)
         failed = self.stop_reason is not None and self.stop_reason.exit_code != ExitCode.OK
         left_why = False
         if failed:

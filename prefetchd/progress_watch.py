@@ -13,7 +13,8 @@ import queue
 from watchdog.events import FileSystemEventHandler
 from watchdog.observers import Observer
 
-from prefetchd_client.layout import parse_progress, parse_progress_name, read_regular_file
+from prefetchd_client.folders import read_regular_file
+from prefetchd_client.layout import parse_progress, parse_progress_name
 
 MAX_PROGRESS_BYTES = 64  # "<epoch> <step>\n" needs at most 30
 

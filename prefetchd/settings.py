@@ -14,20 +14,16 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from prefetchd_client.layout import MAX_RANK, check_job_name
-from prefetchd_client.transport import parse_tcp_endpoint
+from prefetchd_client.layout import MAX_RANK, check_job_name, parse_tcp_endpoint
 
-from . import fastdecode
 from .errors import ConfigError
 from .plan import MIX_RULES
 from .sizes import parse_size
 
-if TYPE_CHECKING:
-    from .config import Config  # config builds on this table: no import at run time
-
 SECTIONS = ("job", "daemon", "mix", "pipeline")
+DECODERS = ("pillow", "simplejpeg")  # prefetchd.fastdecode implements the second
 Rule = tuple[Callable[[Any], bool], str]  # (is the value valid, what "must be" it is)
 
 
@@ -124,15 +120,6 @@ def _is_endpoint(text: str) -> bool:
     return True
 
 
-def _decoder_installed(decoder: str) -> str:
-    if decoder == "simplejpeg":
-        try:
-            fastdecode.require()
-        except ImportError as exc:
-            raise ValueError(str(exc)) from None
-    return decoder
-
-
 def _at_least(n: int) -> Rule:
     return (lambda v: v >= n, f"at least {n}")
 
@@ -180,8 +167,7 @@ SETTINGS: tuple[Setting, ...] = (
         help="the JPEG decoder: pillow, or simplejpeg (libjpeg-turbo and OpenCV: pip install 'prefetchd[fast]'), "
         "faster, with slightly different pixels",
         default="pillow",
-        choices=fastdecode.DECODERS,
-        check=_decoder_installed,
+        choices=DECODERS,  # whether the one chosen is installed: prefetchd.config asks prefetchd.fastdecode
     ),
     # -- [daemon]: how this node serves it
     Setting(
@@ -293,7 +279,7 @@ def section_keys(section: str) -> list[str]:
     return [s.key for s in SETTINGS if s.section == section]
 
 
-def echo(config: Config) -> dict:
+def echo(config: Any) -> dict:  # a prefetchd.config.Config, which builds on this module
     """The config's keys as ``{section: {key: value}}`` (JSON-serialisable): what
     ``prefetchd status --json`` shows. Values are those a config file may hold (the buffer in
     bytes); unset keys are None."""

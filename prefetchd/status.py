@@ -11,12 +11,8 @@ import collections
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from . import settings
-
-if TYPE_CHECKING:
-    from .master import Master
 
 _RATE_WINDOW_S = 10.0
 
@@ -40,7 +36,7 @@ class Rates:
             self.events.popleft()
 
 
-def job_status(m: Master) -> dict:
+def job_status(m) -> dict:  # m: the prefetchd.master.Master, which imports this module
     """What `prefetchd status` shows: the buffer, each rank, workers, rates, sources, totals."""
     now = time.monotonic()
     buffer, plan, intake = m.buffer, m.job.plan, m.intake
@@ -106,7 +102,7 @@ def job_status(m: Master) -> dict:
     }
 
 
-def _mix_status(m: Master) -> list[dict]:
+def _mix_status(m) -> list[dict]:
     """Each source's configured share and its realised share of the samples produced."""
     plan = m.job.plan
     total = sum(m.produced_per_source)

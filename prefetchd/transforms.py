@@ -44,6 +44,7 @@ from PIL import Image, ImageEnhance
 
 from prefetchd import fastdecode
 from prefetchd.errors import ConfigError
+from prefetchd.settings import DECODERS
 
 Box = tuple[float, float, float, float]  # (left, top, right, bottom) in source pixels
 
@@ -331,8 +332,8 @@ class ImagePipeline:
     def __init__(self, specs: list[dict], decoder: str = "pillow"):
         self._steps, (h, w) = _parse(specs)  # exactly validate_transforms' checks
         self.output_shape: tuple[int, int, int] = (h, w, 3)
-        if decoder not in fastdecode.DECODERS:
-            raise ValueError(f"decoder must be one of {fastdecode.DECODERS}, got {decoder!r}")
+        if decoder not in DECODERS:
+            raise ValueError(f"decoder must be one of {DECODERS}, got {decoder!r}")
         if decoder == "simplejpeg":
             fastdecode.require()
         self.decoder = decoder

@@ -14,7 +14,9 @@ import json
 import numpy as np
 
 from prefetchd_client.batchfile import BatchFormatError, map_batch
-from prefetchd_client.layout import JobPaths, read_manifest, read_regular_file
+from prefetchd_client.folders import read_regular_file
+from prefetchd_client.layout import JobPaths
+from prefetchd_client.manifest import read_manifest
 
 from .errors import JobError
 from .producer import PRODUCER_SPEC, BatchProducer, ProducerSpec, SpecMismatch

@@ -69,7 +69,9 @@ from prefetchd.datagen import make_image
 from prefetchd.transforms import ImagePipeline
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.batchfile import BatchLayout, BatchWriter, FieldSpec, map_batch
-from prefetchd_client.layout import JobPaths, daemon_alive, read_manifest
+from prefetchd_client.layout import JobPaths
+from prefetchd_client.locks import daemon_alive
+from prefetchd_client.manifest import read_manifest
 
 RECIPES = {
     "rrc": [{"op": "random_resized_crop", "size": 224}, {"op": "hflip"}],

@@ -17,7 +17,9 @@ import pytest
 
 from prefetchd.daemon import stop_job
 from prefetchd.datagen import make_image_folder
-from prefetchd_client.layout import JobPaths, daemon_alive, read_manifest
+from prefetchd_client.layout import JobPaths
+from prefetchd_client.locks import daemon_alive
+from prefetchd_client.manifest import read_manifest
 
 SHM = "/dev/shm"
 JOB_ROOT_PREFIX = "prefetchd-test-"  # each test's private job root under SHM

@@ -15,6 +15,7 @@ from prefetchd_client import DaemonDied, PrefetchLoader
 from prefetchd_client.batchfile import map_batch
 
 from .conftest import cli, start_job, wait_until, write_config
+from .helpers import read_epoch
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -36,17 +37,6 @@ def spoil(folder, rng, fraction: float) -> set[str]:
     return {str(files[i]) for i in chosen}
 
 
-def read_epoch(job: str, batch_size: int = 4) -> tuple[list[dict], list[np.ndarray]]:
-    loader = PrefetchLoader(job, as_tensors=False)
-    headers, images = [], []
-    for step, batch in enumerate(loader):
-        headers.append(map_batch(loader._paths.batch(0, step, 0))[0]["meta"])
-        images.append(batch["image"].copy())
-        assert len(batch["index"]) == batch_size
-    loader.close()
-    return headers, images
-
-
 # 0.1 % needs 1,000 files for one bad one; 50 batches per epoch in every case.
 @pytest.mark.parametrize("fraction, images", [(0.001, 1000), (0.01, 200), (0.1, 200)])
 def test_bad_samples_are_replaced_counted_and_identical_across_runs(tmp_path, job_root, fraction, images):
@@ -64,7 +54,8 @@ def test_bad_samples_are_replaced_counted_and_identical_across_runs(tmp_path, jo
     runs = []
     for _ in range(2):
         paths = start_job(cfg)
-        headers, pixels = read_epoch("job", batch)
+        batches = read_epoch("job", batch_size=batch, with_meta=True, timeout=120)
+        headers, pixels = [b.meta for b in batches], [b.arrays["image"] for b in batches]
         status = control.request(paths.endpoint, {"op": "status"})
         assert cli("stop", "job").returncode == 0
         runs.append((headers, pixels, status))

@@ -17,7 +17,7 @@ import pytest
 
 from prefetchd import control
 from prefetchd.daemon import stop_job
-from prefetchd_client.layout import read_manifest
+from prefetchd_client.manifest import read_manifest
 
 from .conftest import daemon_family, start_job, wait_pids_gone, wait_until, write_config
 

@@ -14,12 +14,14 @@ import numpy as np
 import psutil
 import pytest
 
-from prefetchd import control
 from prefetchd.plan import Plan
 from prefetchd_client import DaemonDied, JobNotRunning, PlanMismatch, PrefetchLoader
-from prefetchd_client.layout import JobPaths, daemon_alive, parse_batch_name, read_manifest, write_progress
+from prefetchd_client.layout import JobPaths, parse_batch_name, write_progress
+from prefetchd_client.locks import daemon_alive
+from prefetchd_client.manifest import read_manifest
 
 from .conftest import cli, daemon_family, start_job, wait_pids_gone, wait_until, write_config
+from .helpers import job_status, workers_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,12 +36,6 @@ READER = textwrap.dedent("""
     loader.close()
     print(json.dumps(out))
 """)
-
-
-def status(paths) -> dict:
-    reply = control.request(paths.endpoint, {"op": "status"})
-    assert reply is not None, "daemon did not answer status"
-    return reply
 
 
 def batch_files(paths) -> list[tuple[int, int, int]]:
@@ -73,7 +69,7 @@ def test_two_ranks_read_two_epochs_disjoint_and_within_the_bound(tmp_path, jpeg_
     outs = [json.loads(p.communicate(timeout=60)[0]) for p in readers]
     assert all(p.returncode == 0 for p in readers)
     assert 0 < peak_files <= bound
-    s = status(paths)
+    s = job_status(paths)
     assert s["buffer"]["peak_bytes"] <= bound
     plan = Plan(48, 2, 4, seed=0)
     for epoch in range(2):
@@ -90,7 +86,7 @@ def test_two_ranks_read_two_epochs_disjoint_and_within_the_bound(tmp_path, jpeg_
     )
     assert {(e, k) for e, k, _ in batch_files(paths) if e < 2} == {(1, 4), (1, 5)}
     assert s["totals"]["deleted"] >= 2 * 12 - 2 * (bound // batch_bytes)
-    assert [(r["epoch"], r["step"]) for r in status(paths)["ranks"]] == [(2, 0), (2, 0)]
+    assert [(r["epoch"], r["step"]) for r in job_status(paths)["ranks"]] == [(2, 0), (2, 0)]
 
 
 def test_progress_file_trainer_gets_deletion_and_refill(tmp_path, jpeg_folder, job_root):
@@ -112,7 +108,7 @@ def test_progress_file_trainer_gets_deletion_and_refill(tmp_path, jpeg_folder, j
     write_progress(paths.progress(0), 1, 2)
     expected = list(range(per_epoch + 2, per_epoch + 2 + window))
     wait_until(lambda: linear_files() == expected, what="refill in the next epoch")
-    assert status(paths)["ranks"][0]["epoch"] == 1
+    assert job_status(paths)["ranks"][0]["epoch"] == 1
 
 
 def test_batches_are_identical_for_any_worker_count(tmp_path, jpeg_folder, job_root):
@@ -169,8 +165,8 @@ def test_status_json_and_stop_removes_the_job(tmp_path, jpeg_folder, job_root):
     text = cli("status").stdout
     assert "job: serving" in text and "rank" in text
     pids = daemon_family(paths)  # master, 1 worker, and multiprocessing's resource tracker
-    workers = [p for p in pids[1:] if "spawn_main" in " ".join(psutil.Process(p).cmdline())]
-    assert len(workers) == 1
+    workers = job_status(paths)["workers"]["pids"]
+    assert len(workers) == 1 and set(workers) <= set(pids[1:])
     result = cli("stop", "job")
     assert result.returncode == 0 and "stopped" in result.stdout
     wait_pids_gone(pids)
@@ -192,7 +188,7 @@ def test_second_daemon_is_refused_and_does_not_disturb_the_first(tmp_path, jpeg_
     assert "already running" in result.stderr and f"pid {before['pid']}" in result.stderr
     assert "Traceback" not in result.stderr
     assert read_manifest(paths) == before and paths.socket.exists()
-    assert status(paths)["pid"] == before["pid"]
+    assert job_status(paths)["pid"] == before["pid"]
     assert len(next(iter(PrefetchLoader("job", as_tensors=False)))["index"]) == 4
 
 
@@ -337,17 +333,17 @@ def test_a_gone_trainer_is_told_from_a_paused_one(tmp_path, jpeg_folder, job_roo
     paths = start_job(write_config(tmp_path, jpeg_folder, buffer="200K"), "--on-trainer-exit", policy)
     window = read_manifest(paths)["window_per_rank"]
     paused = PrefetchLoader("job", as_tensors=False)  # alive, reads nothing: a long evaluation
-    wait_until(lambda: status(paths)["ranks"][0]["trainer"] == "alive", what="trainer seen alive")
+    wait_until(lambda: job_status(paths)["ranks"][0]["trainer"] == "alive", what="trainer seen alive")
     wait_until(lambda: len(batch_files(paths)) == window, what="window filled while paused")
     paused.close()  # this process is the trainer: ending the loader is its exit
-    wait_until(lambda: status(paths)["ranks"][0]["trainer"] == "gone", what="trainer seen gone")
+    wait_until(lambda: job_status(paths)["ranks"][0]["trainer"] == "gone", what="trainer seen gone")
     if policy == "keep":
         assert len(batch_files(paths)) == window  # warm for the restart
     else:
         wait_until(lambda: batch_files(paths) == [], what="window released")
     back = PrefetchLoader("job", as_tensors=False)  # the restarted trainer
     assert sum(1 for _ in back) == 12
-    wait_until(lambda: status(paths)["ranks"][0]["trainer"] == "alive", what="trainer seen alive again")
+    wait_until(lambda: job_status(paths)["ranks"][0]["trainer"] == "alive", what="trainer seen alive again")
     back.close()
 
 
@@ -394,9 +390,10 @@ def test_verify_mode_refuses_a_batch_whose_bytes_were_changed(tmp_path, jpeg_fol
 
 def test_workers_run_below_the_trainer(tmp_path, jpeg_folder, job_root):
     """Workers take [daemon] worker_nice (default 10), so a waking trainer thread gets a core first."""
-    from .test_faults import workers_of
-
     paths = start_job(write_config(tmp_path, jpeg_folder, workers=2))
+    # `start` returns once one worker has booted; a worker lowers itself as it boots.
+    booted = lambda: all(w["ready"] for w in job_status(paths)["workers"]["each"])  # noqa: E731
+    wait_until(booted, timeout_s=60, what="both workers booted")
     assert [w.nice() for w in workers_of(paths)] == [10, 10]
     assert psutil.Process(read_manifest(paths)["pid"]).nice() == os.nice(0)  # the master is not lowered
     assert cli("stop", "job").returncode == 0

@@ -20,10 +20,13 @@ from prefetchd import control
 from prefetchd.config import build_config
 from prefetchd.errors import ConfigError
 from prefetchd_client import AuthError, PrefetchLoader
-from prefetchd_client.layout import daemon_alive, read_manifest
-from prefetchd_client.transport import CLIENT_KEY_ENV, load_public_certificate, parse_tcp_endpoint
+from prefetchd_client.layout import parse_tcp_endpoint
+from prefetchd_client.locks import daemon_alive
+from prefetchd_client.manifest import read_manifest
+from prefetchd_client.transport import CLIENT_KEY_ENV, load_public_certificate
 
 from .conftest import cli, daemon_family, start_job, wait_pids_gone, wait_until, write_config
+from .helpers import job_status, read_epoch
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,20 +40,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def status_json(*, env: dict | None = None) -> dict:
-    result = cli("status", "job", "--json", env=env)
-    assert result.returncode == 0, result.stderr
-    return json.loads(result.stdout)
-
-
-def read_epoch(**kwargs) -> list[list[int]]:
-    loader = PrefetchLoader("job", as_tensors=False, timeout=30, **kwargs)
-    try:
-        return [b["index"].tolist() for b in loader]
-    finally:
-        loader.close()
 
 
 def stop_and_check_gone(paths, *, env: dict | None = None) -> None:
@@ -90,9 +79,11 @@ def test_tcp_job_serves_a_loader_and_answers_status_and_stop(tmp_path, jpeg_fold
     assert not paths.socket.exists(), "the daemon must listen on TCP only, not on its ipc socket too"
     assert manifest["buffer_bytes"] // manifest["batch_bytes"] < STEPS, "the bound must need the reports"
 
-    assert [len(b) for b in read_epoch()] == [4] * STEPS
+    assert [len(b.arrays["index"]) for b in read_epoch("job", timeout=30)] == [4] * STEPS
     # The reports travelled over TCP: the daemon has the loader at the next epoch's start.
-    report = wait_until(lambda: (s := status_json())["ranks"][0]["epoch"] == 1 and s, what="position over TCP")
+    report = wait_until(
+        lambda: (s := job_status(paths, through_cli=True))["ranks"][0]["epoch"] == 1 and s, what="position over TCP"
+    )
     assert report["state"] == "serving" and report["pid"] == manifest["pid"]
     assert control.request(endpoint, {"op": "ping"})["pid"] == manifest["pid"]
     stop_and_check_gone(paths)
@@ -162,9 +153,12 @@ def test_curve_admits_the_authorised_client_only(tmp_path, jpeg_folder, job_root
     assert "secret" not in json.dumps(manifest)
 
     # The authorised client reads an epoch; its reports reach the daemon (the bound needs them).
-    assert [len(b) for b in read_epoch(curve_client_key=certs["client"])] == [4] * STEPS
+    batches = read_epoch("job", timeout=30, curve_client_key=certs["client"])
+    assert [len(b.arrays["index"]) for b in batches] == [4] * STEPS
     ok = {CLIENT_KEY_ENV: str(certs["client"])}
-    wait_until(lambda: status_json(env=ok)["ranks"][0]["epoch"] == 1, what="position over CURVE")
+    wait_until(
+        lambda: job_status(paths, through_cli=True, env=ok)["ranks"][0]["epoch"] == 1, what="position over CURVE"
+    )
 
     # The intruder: the loader fails at once with a clear error, not a batch timeout later...
     began = time.monotonic()
@@ -184,13 +178,13 @@ def test_curve_admits_the_authorised_client_only(tmp_path, jpeg_folder, job_root
         sock.close(linger=0)
         context.term()
     # ... and `status` with its key says refused (with the fix) instead of hanging.
-    refused = status_json(env={CLIENT_KEY_ENV: str(certs["intruder"])})
+    refused = job_status(paths, through_cli=True, env={CLIENT_KEY_ENV: str(certs["intruder"])})
     assert refused["state"] == "refused" and "curve_authorized_keys" in refused["error"]
-    without_key = status_json()
+    without_key = job_status(paths, through_cli=True)
     assert without_key["state"] == "refused" and CLIENT_KEY_ENV in without_key["error"]
 
     # Their stop requests did nothing; the authorised client still sees the same daemon.
-    assert daemon_alive(paths) and status_json(env=ok)["pid"] == manifest["pid"]
+    assert daemon_alive(paths) and job_status(paths, through_cli=True, env=ok)["pid"] == manifest["pid"]
     stop_and_check_gone(paths, env=ok)
 
 

@@ -26,7 +26,9 @@ from prefetchd.errors import (
     to_json,
 )
 from prefetchd_client import DaemonDied, PrefetchLoader
-from prefetchd_client.layout import JobPaths, daemon_alive, read_stopped
+from prefetchd_client.layout import JobPaths
+from prefetchd_client.locks import daemon_alive
+from prefetchd_client.manifest import read_stopped
 
 from .conftest import cli, start_job, wait_until, write_config
 

@@ -18,24 +18,12 @@ import pytest
 
 from prefetchd import control
 from prefetchd_client import PrefetchLoader
-from prefetchd_client.layout import read_manifest
 
 from .conftest import cli, daemon_family, start_job, wait_until, write_config
+from .helpers import workers_of
 from .test_resume import digest, read
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def workers_of(paths) -> list[psutil.Process]:
-    """The live workers (a killed one may linger as a zombie until the master reaps it)."""
-    found = []
-    for p in psutil.Process(read_manifest(paths)["pid"]).children():
-        try:
-            if "spawn_main" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except psutil.Error:
-            pass
-    return found
 
 
 def reference_stream(tmp_path, jpeg_folder, **kw) -> list:

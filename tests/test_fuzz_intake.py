@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 from prefetchd import control
 from prefetchd.producer import PRODUCER_SPEC, BatchProducer, ProducerSpec
 from prefetchd_client import PrefetchLoader
-from prefetchd_client.layout import daemon_alive, read_manifest
+from prefetchd_client.locks import daemon_alive
+from prefetchd_client.manifest import read_manifest
 
 from .conftest import start_job, wait_until, write_config
 

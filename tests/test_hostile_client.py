@@ -22,7 +22,8 @@ from prefetchd_client import (
     PrefetchLoader,
     UnsafeFolder,
 )
-from prefetchd_client.layout import MANIFEST_VERSION, JobPaths
+from prefetchd_client.layout import JobPaths
+from prefetchd_client.manifest import MANIFEST_VERSION
 
 from .conftest import cli
 

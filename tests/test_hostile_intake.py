@@ -15,9 +15,12 @@ import zmq
 from prefetchd import control
 from prefetchd.status import Rates
 from prefetchd_client import PrefetchLoader
-from prefetchd_client.layout import JobPaths, daemon_alive, read_manifest, write_progress
+from prefetchd_client.layout import JobPaths, write_progress
+from prefetchd_client.locks import daemon_alive
+from prefetchd_client.manifest import read_manifest
 
 from .conftest import start_job, wait_until, write_config
+from .helpers import job_status
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,16 +36,9 @@ def send_raw(paths: JobPaths, *payloads: bytes, endpoint: str | None = None) -> 
     context.term()
 
 
-def status_of(paths: JobPaths, endpoint: str | None = None) -> dict:
-    reply = control.request(endpoint or paths.endpoint, {"op": "status"}, timeout_s=10)
-    assert reply is not None, "the daemon did not answer status"
-    assert reply["pid"] == read_manifest(paths)["pid"]
-    return reply
-
-
 def refused(paths: JobPaths, kind: str, at_least: int = 1, endpoint: str | None = None):
     def check():
-        s = status_of(paths, endpoint)
+        s = job_status(paths, endpoint=endpoint)
         return s if s["totals"].get("refused", {}).get(kind, 0) >= at_least else None
 
     return wait_until(check, timeout_s=20, what=f"{at_least} refused {kind}")
@@ -162,12 +158,12 @@ def test_idle_tcp_connections_cannot_exhaust_the_daemons_descriptors(tmp_path, j
     finally:
         for s in held:
             s.close()
-    status = status_of(paths, endpoint)
+    status = job_status(paths, endpoint=endpoint)
     assert status["ranks"][0]["epoch"] >= 1
     assert "internal error" not in paths.log.read_text()
     # A batch retired while open() failed with EMFILE is retried, not left outside the bound.
     bound = read_manifest(paths)["buffer_bytes"]
-    within = lambda: status_of(paths, endpoint)["buffer"]["files_bytes"] <= bound  # noqa: E731
+    within = lambda: job_status(paths, endpoint=endpoint)["buffer"]["files_bytes"] <= bound  # noqa: E731
     wait_until(within, timeout_s=20, what="the files within the bound")
 
 

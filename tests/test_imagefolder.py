@@ -23,10 +23,9 @@ from prefetchd.datagen import make_image
 from prefetchd.errors import DataError
 from prefetchd.plan import Plan
 from prefetchd.sources import SampleIndex, read_file_list, scan_image_folder
-from prefetchd_client import PrefetchLoader
-from prefetchd_client.batchfile import map_batch
 
 from .conftest import cli, start_job, wait_until, write_config
+from .helpers import read_epoch
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -187,17 +186,6 @@ def test_file_list_that_is_not_utf8_is_a_data_error_naming_the_line(tmp_path):
         read_file_list(str(listing), "[[source]] #1")
 
 
-def read_epoch_with_meta(job: str) -> list[tuple[dict, dict]]:
-    loader = PrefetchLoader(job, as_tensors=False)
-    try:
-        return [
-            ({k: v.copy() for k, v in batch.items()}, map_batch(loader._paths.batch(0, step, 0))[0]["meta"])
-            for step, batch in enumerate(loader)
-        ]
-    finally:
-        loader.close()
-
-
 def test_daemon_serves_an_epoch_whose_index_and_label_match_torchvision_samples(
     tmp_path, job_root, torchvision_folder
 ):
@@ -207,7 +195,7 @@ def test_daemon_serves_an_epoch_whose_index_and_label_match_torchvision_samples(
     daemon_index = SampleIndex.load(paths.dir / "index")
     assert [(daemon_index.path(i), daemon_index.label(i)) for i in range(len(daemon_index))] == samples
     plan = Plan(len(samples), 1, 2, seed=0)
-    batches = read_epoch_with_meta("job")
+    batches = [(b.arrays, b.meta) for b in read_epoch("job", with_meta=True, timeout=120)]
     assert cli("stop", "job").returncode == 0
     assert len(batches) == plan.batches_per_epoch == 11
     for step, (batch, meta) in enumerate(batches):
@@ -226,7 +214,7 @@ def test_unreadable_sample_with_a_non_utf8_name_is_replaced_and_recorded_under_i
     bad = root / "cat" / NON_UTF8
     bad.write_bytes(b"\xff\xd8 not really a JPEG")
     paths = start_job(write_config(tmp_path, root, batch_size=2, buffer="2M"))
-    batches = read_epoch_with_meta("job")
+    batches = [(b.arrays, b.meta) for b in read_epoch("job", with_meta=True, timeout=120)]
     # The master logs a bad sample when the worker reports, which may come after the reader saw it.
     wait_until(lambda: b"bad sample" in paths.log.read_bytes(), what="the bad sample's log line")
     log = paths.log.read_bytes()

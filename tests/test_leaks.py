@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from prefetchd_client import PrefetchLoader
-from prefetchd_client.layout import read_manifest
+from prefetchd_client.manifest import read_manifest
 
 from .conftest import JOB_ROOT_PREFIX, SHM, cli, daemon_family, start_job, wait_pids_gone, wait_until, write_config
 from .test_faults import workers_of

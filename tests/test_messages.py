@@ -12,7 +12,7 @@ from prefetchd import messages
 from prefetchd.messages import BadWorkerMessage, BootFailed, Done, Failed, Heartbeat, Produce, Ready, Stop
 from prefetchd.producer import PRODUCER_SPEC, SPEC_VERSION, ProducerSpec, SpecMismatch
 from prefetchd_client import PlanMismatch, PrefetchLoader
-from prefetchd_client.layout import MANIFEST_VERSION
+from prefetchd_client.manifest import MANIFEST_VERSION
 
 from .conftest import cli, start_job, write_config
 

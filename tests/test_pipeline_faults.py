@@ -13,7 +13,8 @@ import pytest
 from prefetchd_client import DaemonDied, PrefetchLoader
 
 from .conftest import cli, start_job
-from .test_worker_liveness import pipeline_job, read_epochs, status
+from .helpers import job_status, read_epoch
+from .test_worker_liveness import digests, pipeline_job
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -44,7 +45,7 @@ def test_a_sample_that_crashes_its_worker_every_time_stops_the_daemon_naming_the
     start_job(config, "--max-worker-restarts", "1000")
     started = time.monotonic()
     with pytest.raises(DaemonDied, match="died 5 times"):
-        read_epochs("job", 1, timeout_s=60)
+        read_epoch("job", timeout=60)
     print(f"\n[figure] a sample that crashes its worker: daemon stopped after {time.monotonic() - started:.1f} s")
 
 
@@ -62,7 +63,7 @@ def test_a_callable_that_forks_and_returns_in_both_processes_does_not_stop_the_d
     # is replaced after --worker-timeout.
     paths = start_job(job_with(tmp_path, jpeg_folder, monkeypatch, body), "--worker-timeout", "3")
     try:
-        got = read_epochs("job", 2, timeout_s=60)
+        got = digests(read_epoch("job", epochs=2, timeout=60))
         assert "internal error" not in paths.log.read_text()
         assert cli("stop", "job").returncode == 0
     finally:
@@ -71,7 +72,7 @@ def test_a_callable_that_forks_and_returns_in_both_processes_does_not_stop_the_d
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(text), signal.SIGKILL)
     start_job(job_with(tmp_path, jpeg_folder, monkeypatch, "pass", name="ref"))
-    assert got == read_epochs("ref", 2)
+    assert got == digests(read_epoch("ref", epochs=2, timeout=40))
 
 
 def test_a_key_left_out_by_a_later_sample_is_a_bad_sample_not_the_last_batchs_bytes(
@@ -104,4 +105,4 @@ def test_a_slow_but_progressing_worker_is_not_killed(tmp_path, jpeg_folder, job_
             next(it)
     finally:
         loader.close()
-    assert status(paths)["workers"]["restarts"] == 0, paths.log.read_text()
+    assert job_status(paths)["workers"]["restarts"] == 0, paths.log.read_text()

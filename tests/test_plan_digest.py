@@ -20,7 +20,7 @@ from prefetchd.producer import PRODUCER_SPEC, BatchProducer, ProducerSpec
 from prefetchd.verify import verify_batch
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.batchfile import BatchFormatError
-from prefetchd_client.layout import read_manifest
+from prefetchd_client.manifest import read_manifest
 
 from .conftest import cli, daemon_family, start_job, wait_pids_gone, wait_until
 

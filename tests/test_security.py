@@ -13,7 +13,8 @@ import zmq
 
 from prefetchd import control
 from prefetchd_client import PrefetchLoader
-from prefetchd_client.layout import JobPaths, read_manifest
+from prefetchd_client.layout import JobPaths
+from prefetchd_client.manifest import read_manifest
 
 from .conftest import cli, start_job, wait_until, write_config
 

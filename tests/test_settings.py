@@ -16,7 +16,7 @@ from prefetchd import fastdecode, settings
 from prefetchd.config import Config, build_config, load_config
 from prefetchd.errors import ConfigError
 from prefetchd.plan import Plan
-from prefetchd_client.layout import read_manifest
+from prefetchd_client.manifest import read_manifest
 
 from .conftest import cli, start_job, write_config
 

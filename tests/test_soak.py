@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from prefetchd import control
-from prefetchd_client.layout import read_manifest
+from prefetchd_client.manifest import read_manifest
 
 from .conftest import start_job, write_config
 

@@ -19,12 +19,12 @@ import numpy as np
 import psutil
 import pytest
 
-from prefetchd import control
 from prefetchd_client import DaemonDied, PrefetchLoader
-from prefetchd_client.layout import daemon_alive, read_manifest
+from prefetchd_client.locks import daemon_alive
+from prefetchd_client.manifest import read_manifest
 
 from .conftest import cli, start_job, wait_until, write_config
-from .test_faults import workers_of
+from .helpers import ReadBatch, job_status, read_epoch, workers_of
 from .test_resume import digest
 
 pytestmark = pytest.mark.timeout(180)
@@ -95,12 +95,9 @@ def pipeline_job(tmp_path, data, monkeypatch, module: str, code: str, name: str 
     return config
 
 
-def read_epochs(job: str, epochs: int, timeout_s: float = 40) -> list[tuple[int, int, str]]:
-    loader = PrefetchLoader(job, as_tensors=False, timeout=timeout_s)
-    try:
-        return [(epoch, step, digest(batch)) for epoch in range(epochs) for step, batch in enumerate(loader)]
-    finally:
-        loader.close()
+def digests(batches: list[ReadBatch]) -> list[tuple[int, int, str]]:
+    """(epoch, step, digest) per batch: two streams are equal when their batches' bytes are."""
+    return [(b.epoch, b.step, digest(b.arrays)) for b in batches]
 
 
 def file_bytes(paths) -> int:
@@ -144,17 +141,11 @@ class FileBytesSampler:
         self._thread.join(10)
 
 
-def status(paths) -> dict:
-    reply = control.request(paths.endpoint, {"op": "status"})
-    assert reply is not None, "the daemon did not answer status"
-    return reply
-
-
 def wait_buffer_full(paths) -> dict:
     """The status once the daemon has filled the bound and has nothing in flight."""
 
     def full():
-        s = status(paths)
+        s = job_status(paths)
         buf = s["buffer"]
         return s if s["workers"]["busy"] == 0 and buf["used_bytes"] + buf["batch_bytes"] > buf["bound_bytes"] else None
 
@@ -181,16 +172,16 @@ def test_a_worker_blocked_on_a_sample_is_killed_and_its_batch_reissued_to_the_tr
     config = pipeline_job(tmp_path, jpeg_folder, monkeypatch, "hangs_once", code)
     paths = start_job(config, "--worker-timeout", str(WORKER_TIMEOUT_S))
     started = time.monotonic()
-    got = read_epochs("job", 1)
+    got = digests(read_epoch("job", timeout=40))
     took = time.monotonic() - started
     assert (tmp_path / "hung-once").exists(), "the callable never blocked: the test proved nothing"
     log = paths.log.read_text()
     assert all(words in log for words in killed_as), log
-    assert status(paths)["workers"]["restarts"] == 1
+    assert job_status(paths)["workers"]["restarts"] == 1
     assert cli("stop", "job").returncode == 0
     # The same job with nothing blocking (the marker exists now): the trainer got every batch, equal.
     start_job(pipeline_job(tmp_path, jpeg_folder, monkeypatch, "hangs_once", code, name="ref"))
-    assert got == read_epochs("ref", 1)
+    assert got == digests(read_epoch("ref", timeout=40))
     print(f"\n[figure] a sample blocked ({block}), --worker-timeout {WORKER_TIMEOUT_S}: epoch read in {took:.1f} s")
 
 
@@ -202,7 +193,7 @@ def test_a_sample_that_blocks_every_time_stops_the_daemon_with_a_message_naming_
     paths = start_job(config, "--worker-timeout", str(WORKER_TIMEOUT_S))
     started = time.monotonic()
     with pytest.raises(DaemonDied) as stopped:
-        read_epochs("job", 1, timeout_s=50)  # the trainer must hear why, long before its own timeout
+        read_epoch("job", timeout=50)  # the trainer must hear why, long before its own timeout
     took = time.monotonic() - started
     message = str(stopped.value)
     assert f"made no progress within --worker-timeout {WORKER_TIMEOUT_S} s, 3 times" in message
@@ -255,14 +246,14 @@ def test_a_batch_published_by_a_worker_killed_before_reporting_it_is_counted_not
     code = KILLED_AFTER_LINK_PIPELINE.format(job_dir=str(job_root / "job"))
     ref = start_job(pipeline_job(tmp_path, jpeg_folder, monkeypatch, "killed_after_link", code, name="ref"))
     batch_bytes = read_manifest(ref)["batch_bytes"]
-    expected = read_epochs("ref", 2)
+    expected = digests(read_epoch("ref", epochs=2, timeout=40))
     assert cli("stop", "ref").returncode == 0
     # A bound of exactly ten batches: a single batch that the ledger misses is over it.
     bound = 10 * batch_bytes
     config = pipeline_job(tmp_path, jpeg_folder, monkeypatch, "killed_after_link", code)
     paths = start_job(config, "--buffer", str(bound))
     with FileBytesSampler(paths) as sampler:
-        got = read_epochs("job", 2)
+        got = digests(read_epoch("job", epochs=2, timeout=40))
         final = wait_buffer_full(paths)
     killed_after = (tmp_path / "killed-after-link").read_text()  # the kill did land in the window
     assert got == expected  # the batch reached the trainer once, nothing lost or repeated

@@ -22,18 +22,10 @@ import zmq
 from . import batchfile, transport
 from .device import DeviceFeeder
 from .errors import AuthError, BatchFormatError, BatchTimeout, DaemonDied, JobNotRunning, PlanMismatch
-from .layout import (
-    MAX_EPOCH,
-    JobPaths,
-    VersionMismatch,
-    check_manifest,
-    daemon_alive,
-    hold_trainer_lock,
-    open_job,
-    read_manifest,
-    read_stopped,
-    release_trainer_lock,
-)
+from .folders import open_job
+from .layout import MAX_EPOCH, JobPaths
+from .locks import daemon_alive, hold_trainer_lock, release_trainer_lock
+from .manifest import VersionMismatch, check_manifest, read_manifest, read_stopped
 from .readahead import ReadAhead
 
 STATE_VERSION = 1
@@ -125,7 +117,7 @@ class _EpochSampler:
 
 
 def _why_it_stopped(stopped: dict) -> str:
-    """The daemon's own words from its stopped.json (layout.read_stopped), with its exit code."""
+    """The daemon's own words from its stopped.json (manifest.read_stopped), with its exit code."""
     return f"{stopped['message']}; exit code {stopped['exit_code']}"
 
 
@@ -223,7 +215,7 @@ class PrefetchLoader:
     # -- setup -----------------------------------------------------------------------------
 
     def _read_manifest(self) -> dict:
-        """The manifest of the live job, read in folders proven this user's (layout.open_job):
+        """The manifest of the live job, read in folders proven this user's (folders.open_job):
         in folders another user could have prepared (its manifest naming their socket, its
         batches theirs) UnsafeFolder says whose they are, before anything there is used."""
         job, root = self._paths.name, self._paths.dir.parent

@@ -13,7 +13,6 @@ way), so it needs only pyzmq and the standard library.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import stat
 import time
@@ -25,7 +24,6 @@ from zmq.utils.monitor import recv_monitor_message
 from .errors import AuthError
 
 CLIENT_KEY_ENV = "PREFETCHD_CURVE_CLIENT_KEY"
-WILDCARD = "*"
 _KEY_CHARS = 40  # a CURVE key in Z85 text
 # What the client side of a CURVE handshake can end in; None: it succeeded.
 _HANDSHAKE = {
@@ -40,55 +38,6 @@ _HANDSHAKE_EVENTS = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
-
-
-@dataclass(frozen=True)
-class TcpEndpoint:
-    host: str  # an IP address (IPv6 without brackets), "localhost" or "*"
-    port: int
-
-    @property
-    def ipv6(self) -> bool:
-        return ":" in self.host
-
-    @property
-    def loopback(self) -> bool:
-        return self.host == "localhost" or (self.host != WILDCARD and ipaddress.ip_address(self.host).is_loopback)
-
-    @property
-    def wildcard(self) -> bool:
-        return self.host == WILDCARD or (self.host != "localhost" and ipaddress.ip_address(self.host).is_unspecified)
-
-    def bind_address(self) -> str:
-        return f"tcp://[{self.host}]:{self.port}" if self.ipv6 else f"tcp://{self.host}:{self.port}"
-
-    def connect_address(self) -> str:
-        """Where a client on this node connects: a wildcard bind is reached over loopback."""
-        if not self.wildcard:
-            return self.bind_address()
-        return f"tcp://[::1]:{self.port}" if self.ipv6 else f"tcp://127.0.0.1:{self.port}"
-
-
-def parse_tcp_endpoint(text: str) -> TcpEndpoint:
-    """``tcp://HOST:PORT``: HOST an IP address (IPv6 in brackets), ``localhost`` or ``*``, PORT
-    1-65535. ValueError otherwise."""
-    if not isinstance(text, str) or not text.startswith("tcp://"):
-        raise ValueError(f"not a tcp:// endpoint: {text!r}")
-    host, sep, port = text[len("tcp://") :].rpartition(":")
-    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValueError(f"no port 1-65535 in {text!r}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-        if ":" not in host:
-            raise ValueError(f"brackets are for IPv6 addresses only: {text!r}")
-    elif ":" in host:
-        raise ValueError(f"write an IPv6 host in brackets, e.g. tcp://[::1]:{port}")
-    if host not in ("localhost", WILDCARD):
-        try:
-            ipaddress.ip_address(host)
-        except ValueError:
-            raise ValueError(f"host {host!r} is not an IP address, localhost or *") from None
-    return TcpEndpoint(host, int(port))
 
 
 def load_secret_certificate(path: str | os.PathLike) -> tuple[bytes, bytes]:

@@ -1,0 +1,97 @@
+"""Helpers the daemon tests share: read an epoch through the real client, ask a live daemon for
+its status, find its worker processes. (Fixtures and the `prefetchd` runner are in conftest.py.)"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import psutil
+
+from prefetchd import control
+from prefetchd_client import PrefetchLoader
+from prefetchd_client.batchfile import map_batch
+from prefetchd_client.layout import JobPaths
+from prefetchd_client.manifest import read_manifest
+
+from .conftest import cli
+
+
+@dataclass(frozen=True)
+class ReadBatch:
+    epoch: int
+    step: int
+    arrays: dict[str, np.ndarray]  # copies, valid after the loader is closed
+    meta: dict | None  # the batch header's meta, when asked for
+
+
+def read_epoch(
+    job: str,
+    *,
+    epochs: int = 1,
+    rank: int | None = None,
+    world_size: int | None = None,
+    batch_size: int | None = None,
+    with_meta: bool = False,
+    timeout: float = 60.0,
+    **loader_options,
+) -> list[ReadBatch]:
+    """Every batch of ``epochs`` epochs from the loader's start, read by a real PrefetchLoader as a
+    trainer would (numpy arrays). ``batch_size`` checks that every batch has that many samples;
+    ``with_meta`` also reads each batch file's header meta while the batch is still in the buffer
+    (the daemon keeps ``retain`` consumed batches). ``loader_options`` go to PrefetchLoader."""
+    loader = PrefetchLoader(
+        job, rank=rank, world_size=world_size, timeout=timeout, as_tensors=False, **loader_options
+    )
+    paths = JobPaths.of(job, loader_options.get("root"))
+    batches = []
+    try:
+        for _ in range(epochs):
+            epoch, first = loader.position
+            for step, batch in enumerate(loader, start=first):
+                if batch_size is not None:
+                    assert len(batch["index"]) == batch_size, f"batch {epoch}/{step}: {len(batch['index'])} samples"
+                meta = map_batch(paths.batch(epoch, step, loader.rank))[0]["meta"] if with_meta else None
+                batches.append(ReadBatch(epoch, step, {k: v.copy() for k, v in batch.items()}, meta))
+    finally:
+        loader.close()
+    return batches
+
+
+def job_status(
+    paths: JobPaths,
+    *,
+    endpoint: str | None = None,
+    through_cli: bool = False,
+    env: dict | None = None,
+    timeout_s: float = 10.0,
+) -> dict:
+    """The daemon's status: over the control socket (the manifest's endpoint, or ``endpoint``), or
+    with ``through_cli`` what `prefetchd status JOB --json` prints (``env``: extra environment, such
+    as a CURVE client key; a job the CLI may not read is ``"state": "refused"``, with no pid). A
+    status that names a pid must name the daemon that holds the job: the manifest's."""
+    if through_cli:
+        result = cli("status", paths.name, "--json", env=env, timeout=timeout_s + 50)
+        assert result.returncode == 0, result.stderr
+        reply = json.loads(result.stdout)
+    else:
+        reply = control.request(endpoint or paths.endpoint, {"op": "status"}, timeout_s=timeout_s)
+        assert reply is not None, "the daemon did not answer status"
+    if "pid" in reply:
+        assert reply["pid"] == read_manifest(paths)["pid"], "a status from another process than the job's daemon"
+    return reply
+
+
+def workers_of(paths: JobPaths) -> list[psutil.Process]:
+    """The job's live worker processes, by the pids its status reports (a killed worker may
+    linger there as a zombie until the master reaps it: it is left out)."""
+    found = []
+    for pid in job_status(paths)["workers"]["pids"]:
+        try:
+            process = psutil.Process(pid)
+            if process.status() != psutil.STATUS_ZOMBIE:
+                found.append(process)
+        except psutil.Error:
+            pass
+    return found
