@@ -41,13 +41,14 @@ _REPLACED_LOGGED = ("index", "path", "error", "replacement")  # of a bad sample 
 
 class Master:
     def __init__(
-        self, job: Job, jobdir: JobDir, pool: WorkerPool, buffer: Buffer, intake: PeerIntake, context, keep: bool
+        self, job: Job, jobdir: JobDir, pool: WorkerPool, buffer: Buffer, intake: PeerIntake, context, keep: bool,
+        started_at: float,
     ):
         cfg, log_path = job.config, str(job.paths.log)
         self.job, self.config, self.paths = job, cfg, job.paths
         self.jobdir, self.pool, self.buffer, self.intake = jobdir, pool, buffer, intake
         self.keep = keep
-        self.started_at = time.time()
+        self.started_at = started_at  # time.time() when the start began: uptime counts the start-up too
         self.stop_reason: DaemonStop | None = None
         self.restarts = RestartBudget(cfg.max_worker_restarts, log_path)
         self.retries = TaskRetries(log_path, cfg.worker_timeout)
@@ -217,6 +218,7 @@ class Master:
                 )
             self.restarts.note_death(now, code)
             log.warning("worker pid %d died (exit code %s); starting a new one", slot.pid, code)
+            slot.reaped = True  # last: a turn cut short above (out of descriptors) accounts for it again
         self.pool.respawn_buried()
 
     def _settle_unreported_task(self, slot: WorkerSlot) -> None:

@@ -91,6 +91,8 @@ _OPS = {"produce": Produce, "stop": Stop, "ready": Ready, "boot_failed": BootFai
 _OPS |= {"done": Done, "failed": Failed}
 _OP_OF = {cls: op for op, cls in _OPS.items()}
 _REPLACED_KEYS = {"slot": int, "index": int, "path": str, "error": str, "replacement": int}
+_FIELD_KEYS = {"name": str, "dtype": str, "shape": list}
+_HINTS = {cls: typing.get_type_hints(cls) for cls in _OPS.values()}  # evaluated once: a heartbeat a second per worker
 
 
 def encode(msg: Message) -> bytes:
@@ -103,21 +105,28 @@ def decode(data: bytes) -> Message:
         raise BadWorkerMessage(f"{len(data)} bytes, more than {MAX_MESSAGE_BYTES}")
     try:
         obj = json.loads(data)
-    except (ValueError, RecursionError):  # not UTF-8, not JSON, or nested past the parser
-        raise BadWorkerMessage("not a JSON object") from None
+    except UnicodeDecodeError:
+        raise BadWorkerMessage("not UTF-8") from None
+    except RecursionError:
+        raise BadWorkerMessage("nested deeper than the parser goes") from None
+    except ValueError as exc:
+        raise BadWorkerMessage(f"not JSON ({exc})") from None
     if not isinstance(obj, dict) or type(obj.get("op")) is not str or obj["op"] not in _OPS:
         raise BadWorkerMessage(f"no known op in {str(obj)[:80]!r}")
     cls = _OPS[obj.pop("op")]
-    hints = typing.get_type_hints(cls)
+    hints = _HINTS[cls]
     if set(obj) != set(hints):
         raise BadWorkerMessage(f"{cls.__name__} needs the fields {sorted(hints)}, got {sorted(obj)}")
     for name, hint in hints.items():
         if not _is(obj[name], hint):
-            raise BadWorkerMessage(f"{cls.__name__}.{name} must be {hint}, got {str(obj[name])[:80]!r}")
+            kind = getattr(hint, "__name__", hint)
+            raise BadWorkerMessage(f"{cls.__name__}.{name} must be {kind}, got {str(obj[name])[:80]!r}")
     if cls is Heartbeat and obj["sample"] is not None and not _is_sample(obj["sample"]):
         raise BadWorkerMessage(f"Heartbeat.sample must be [id, path], got {str(obj['sample'])[:80]!r}")
     if cls is Done and not _is_done_lists(obj):
         raise BadWorkerMessage("Done.sources must list counts, Done.replaced the replaced samples")
+    if cls is Ready and not all(_is_record(f, _FIELD_KEYS) and _are_counts(f["shape"]) for f in obj["fields"]):
+        raise BadWorkerMessage(f"Ready.fields must list {{name, dtype, shape}}, got {str(obj['fields'])[:80]!r}")
     return cls(**obj)
 
 
@@ -136,8 +145,14 @@ def _is_sample(value: list) -> bool:
     return len(value) == 2 and type(value[0]) is int and isinstance(value[1], str)
 
 
+def _is_record(value, keys: dict) -> bool:
+    """Whether ``value`` is a JSON object with exactly these keys, each of its type."""
+    return isinstance(value, dict) and set(value) == set(keys) and all(_is(value[k], t) for k, t in keys.items())
+
+
+def _are_counts(value: list) -> bool:
+    return all(type(n) is int and n >= 0 for n in value)
+
+
 def _is_done_lists(obj: dict) -> bool:
-    return all(type(n) is int and n >= 0 for n in obj["sources"]) and all(
-        isinstance(r, dict) and set(r) == set(_REPLACED_KEYS) and all(_is(r[k], t) for k, t in _REPLACED_KEYS.items())
-        for r in obj["replaced"]
-    )
+    return _are_counts(obj["sources"]) and all(_is_record(r, _REPLACED_KEYS) for r in obj["replaced"])

@@ -100,7 +100,7 @@ class WorkerPool:
             multiprocessing.connection.wait([s.conn for s in self.slots], timeout=0.2)
         raise JobError(f"no worker booted within {WORKER_BOOT_TIMEOUT_S:.0f} s; see {self.job.paths.log}")
 
-    def receive(self, slot: WorkerSlot) -> list[messages.Message]:
+    def receive(self, slot: WorkerSlot) -> list[messages.Done | messages.Failed]:
         """The worker's messages waiting on its pipe. Heartbeats and its boot are handled here;
         the results are returned. A boot failure stops the daemon (DaemonStop)."""
         results = []
@@ -121,8 +121,10 @@ class WorkerPool:
                 elif isinstance(msg, messages.Ready):
                     slot.ready = True
                     self._fields = [FieldSpec.from_json(f) for f in msg.fields]
-                else:
+                elif isinstance(msg, messages.Done | messages.Failed):
                     results.append(msg)
+                else:  # Produce or Stop, from a [pipeline] callable that reached the pipe: no result
+                    log.warning("dropped a message only the master sends, from worker pid %d: %.200s", slot.pid, msg)
         except (EOFError, OSError):
             pass  # the worker is gone; the master buries it
         return results
@@ -186,10 +188,11 @@ class WorkerPool:
         return [s for s in self.slots if not s.reaped and not s.process.is_alive()]
 
     def bury(self, slot: WorkerSlot) -> int | None:
-        """Close a dead worker's pipe and remove its files; its exit code."""
+        """Close a dead worker's pipe and remove its files; its exit code. Safe to repeat: the
+        master marks the slot reaped only once the whole death is accounted for, so a turn cut
+        short (out of descriptors) accounts for it again, restart budget included."""
         slot.conn.close()
         self._sweep_files(slot.pid)
-        slot.reaped = True
         return slot.process.exitcode
 
     def _sweep_files(self, pid: int) -> None:

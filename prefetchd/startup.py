@@ -34,12 +34,13 @@ def start_master(config: Config, paths: JobPaths, *, keep: bool = False) -> Mast
 
     A start that fails removes only what it made (JobDir.remove_what_this_start_made): a
     killed daemon's warm buffer survives a typo in --data, and its log, kept, says why."""
+    started_at = time.time()  # status's uptime and the manifest's started_at count the start-up too
     jobdir = JobDir(paths)
     jobdir.note_existing()
     jobdir.acquire()  # raises without touching anything if another daemon runs
-    context = zmq.Context()
-    pool = server = watcher = None
+    context = pool = server = watcher = None
     try:
+        context = zmq.Context()  # inside: a start that fails here still removes the folder it made
         jobdir.prepare()
         log_to(paths.log)
         raise_descriptor_limit()
@@ -61,7 +62,7 @@ def start_master(config: Config, paths: JobPaths, *, keep: bool = False) -> Mast
         buffer.adopt_leftovers()
         watcher = ProgressWatcher(str(paths.progress_dir))
         watcher.start()
-        master = Master(job, jobdir, pool, buffer, PeerIntake(job, server, watcher), context, keep)
+        master = Master(job, jobdir, pool, buffer, PeerIntake(job, server, watcher), context, keep, started_at)
         window = buffer.scheduler.window
         write_manifest(
             job, layout, window=window, endpoint=server.endpoint, curve_public_key=server.public_key,
@@ -77,7 +78,7 @@ def start_master(config: Config, paths: JobPaths, *, keep: bool = False) -> Mast
         return master
     except BaseException as exc:
         log_start_failure(exc)
-        for close in (pool and pool.halt, watcher and watcher.stop, server and server.close, context.term):
+        for close in (pool and pool.halt, watcher and watcher.stop, server and server.close, context and context.term):
             if close:
                 close()
         try:

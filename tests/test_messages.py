@@ -54,6 +54,10 @@ HOSTILE = {
     "sources not counts": json.dumps(DONE | {"sources": ["a"]}).encode(),
     "negative count": json.dumps(DONE | {"sources": [-1]}).encode(),
     "a replaced sample without its path": json.dumps(DONE | {"replaced": [{"slot": 0}]}).encode(),
+    "a field spec without its shape": json.dumps({"op": "ready", "fields": [{"name": "x", "dtype": "uint8"}]}).encode(),
+    "a field spec's shape not counts": json.dumps(
+        {"op": "ready", "fields": [{"name": "x", "dtype": "uint8", "shape": ["4"]}]}
+    ).encode(),
     "a heartbeat's sample malformed": json.dumps({"op": "heartbeat", "samples": 1, "sample": [1]}).encode(),
     "failed without nospace": json.dumps({"op": "failed", "epoch": 0, "step": 0, "rank": 0, "error": "x",
                                           "sample": False}).encode(),

@@ -92,9 +92,9 @@ def check_manifest(paths: JobPaths, manifest: dict) -> dict:
     if manifest.get("manifest_version") != MANIFEST_VERSION:
         raise VersionMismatch(
             f"{paths.manifest} is of manifest version {str(manifest.get('manifest_version'))[:20]}, and this "
-            f"prefetchd-client reads version {MANIFEST_VERSION}: the daemon and this trainer run different "
-            "prefetchd versions; install the same version of both (pip install -U prefetchd prefetchd-client) "
-            "and restart the job"
+            f"prefetchd-client reads version {MANIFEST_VERSION}: the daemon that wrote it and this client are "
+            "different prefetchd versions; install the same version of both "
+            "(pip install -U prefetchd prefetchd-client) and restart the job"
         )
     for key, (valid, kind) in _MANIFEST_VALUES.items():
         if not valid(manifest.get(key)):
