@@ -21,7 +21,7 @@ from prefetchd_client.errors import AuthError, UnsafeFolder
 from prefetchd_client.folders import OpenJob, open_job, open_private_dir
 from prefetchd_client.layout import JobPaths, resolve_root
 from prefetchd_client.locks import daemon_alive
-from prefetchd_client.manifest import check_manifest, read_manifest, read_stopped
+from prefetchd_client.manifest import VersionMismatch, check_manifest, read_manifest, read_stopped
 
 from . import control, settings
 from .config import load_config
@@ -335,6 +335,8 @@ def verify(
             check_manifest(paths, read_manifest(paths, dir_fd=folder.dir_fd))
         except FileNotFoundError:
             raise _fail(JobError(f"no serving job {job!r} under {paths.dir.parent}; start it first")) from None
+        except VersionMismatch as exc:  # its message says which versions, and the fix
+            raise _fail(JobError(str(exc))) from None
         except ValueError as exc:
             raise _fail(JobError(f"{exc}; a daemon never writes that: restart the job")) from None
     try:

@@ -110,6 +110,15 @@ def test_verify_refuses_a_producer_spec_of_another_version(tmp_path, jpeg_folder
     assert "another prefetchd version" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.timeout(120)
+def test_verify_names_a_manifest_of_another_version_without_calling_it_foreign(tmp_path, jpeg_folder, job_root):
+    paths = start_job(write_config(tmp_path, jpeg_folder, name="manifestv"))
+    _rewrite(paths.manifest, json.loads(paths.manifest.read_text()) | {"manifest_version": 999})
+    result = cli("verify", "manifestv", "--epoch", "0", "--step", "0")
+    assert result.returncode == 4, result.stderr
+    assert "manifest version 999" in result.stderr and "a daemon never writes that" not in result.stderr
+
+
 def _rewrite(path, data: dict) -> None:
     tmp = path.with_name(path.name + ".edit")
     tmp.write_text(json.dumps(data))
