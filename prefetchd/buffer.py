@@ -31,7 +31,7 @@ class Buffer:
     def __init__(self, job: Job, layout: BatchLayout, capacity: int):
         self.job, self.paths, self.plan = job, job.paths, job.plan
         self.layout = layout
-        self.scheduler = Scheduler(job.config.world_size, capacity, job.config.retain)
+        self.scheduler = Scheduler(job.config.served_ranks, capacity, job.config.retain)
         self.retired = RetiredBatches(job.paths.retired_dir)
         self.deleted = 0
         self.peak_bytes = 0
@@ -120,7 +120,7 @@ class Buffer:
         if name is None or not entry.is_file(follow_symlinks=False):
             return False
         epoch, step, rank = name
-        if step >= self.plan.batches_per_epoch or rank >= self.job.config.world_size:
+        if step >= self.plan.batches_per_epoch or rank not in self.scheduler.ranks:  # another node's, say
             return False
         try:
             header, _ = map_batch(entry.path, pin=False)

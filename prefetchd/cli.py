@@ -233,7 +233,7 @@ def _print_status_fields(s: dict) -> None:
         f"{format_size(b['bound_bytes'])} (files {format_size(b['files_bytes'])}, "
         f"peak {format_size(b['peak_bytes'])}, {b['pinned_batches']} consumed still mapped)\n"
         f"  batch {format_size(b['batch_bytes'])}, "
-        f"window {b['window_per_rank']} batches per rank",
+        f"window {b['window_per_rank']} batches per rank; ranks {s['served_ranks']} of {s['world_size']}",
         highlight=False,
     )
     out.print(

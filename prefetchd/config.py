@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from prefetchd_client.batchfile import VERSION as BATCH_FORMAT_VERSION
-from prefetchd_client.layout import parse_tcp_endpoint
+from prefetchd_client.layout import format_ranks, parse_tcp_endpoint
 from prefetchd_client.transport import load_secret_certificate
 
 from . import fastdecode, settings, transforms
@@ -72,6 +72,7 @@ class Config:
     name: str
     seed: int
     world_size: int
+    ranks: tuple[int, ...] | None  # None: every rank (served_ranks)
     batch_size: int
     drop_last: bool
     decoder: str
@@ -92,12 +93,18 @@ class Config:
     transforms: tuple[dict, ...]
     pipeline: str | None
 
+    @property
+    def served_ranks(self) -> tuple[int, ...]:
+        """The ranks whose batches this daemon makes: its node's, or all of them."""
+        return tuple(range(self.world_size)) if self.ranks is None else self.ranks
+
     def to_json(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_json(cls, d: dict) -> Config:
-        return cls(**{**d, "sources": tuple(d["sources"]), "transforms": tuple(d["transforms"])})
+        ranks = None if d.get("ranks") is None else tuple(d["ranks"])
+        return cls(**{**d, "ranks": ranks, "sources": tuple(d["sources"]), "transforms": tuple(d["transforms"])})
 
     def content(self, num_samples: int, data_fingerprint: str) -> dict:
         """What decides which samples an epoch holds and how each is augmented.
@@ -224,6 +231,14 @@ def _check_source(i: int, src, base: Path) -> dict:
     return {**src, "name": name, key: _resolve(src[key], base)}
 
 
+def _check_ranks_in_world(ranks: tuple[int, ...] | None, world_size: int) -> None:
+    if ranks is not None and ranks[-1] >= world_size:
+        raise ConfigError(
+            f"[job] ranks / --ranks {format_ranks(ranks)} goes past the world: world_size is {world_size}, so the "
+            f"ranks are 0-{world_size - 1}; give this node's ranks of that world, or the whole --world-size"
+        )
+
+
 def _check_decoder_installed(decoder: str) -> None:
     if decoder == "simplejpeg":
         try:
@@ -249,6 +264,7 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
     tables["job"].setdefault("name", default_name)
     values = {s.field: _checked_value(s, tables[s.section]) for s in settings.SETTINGS}
     values = _check_endpoint(values, base, overrides)
+    _check_ranks_in_world(values["ranks"], values["world_size"])
     _check_decoder_installed(values["decoder"])
     sources = _check_sources(raw.get("source", []), data, base)
 

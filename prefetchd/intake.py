@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import zmq
 
-from prefetchd_client.layout import MAX_EPOCH
+from prefetchd_client.layout import MAX_EPOCH, format_ranks
 from prefetchd_client.locks import trainer_state
 
 from . import control
@@ -40,7 +40,8 @@ class PeerIntake:
         self.server = server
         self.watcher = watcher
         self.refusals = Refusals()  # peer input refused, by kind: message, position, progress_file, trainer_lock
-        self.trainers = ["never"] * job.config.world_size  # per rank: "alive", "gone" or "never"
+        self.served = job.config.served_ranks
+        self.trainers = dict.fromkeys(self.served, "never")  # per rank served: "alive", "gone" or "never"
         self.last_report: dict[int, float] = {}  # per rank: when its position last arrived
         self._next_trainer_check = 0.0
 
@@ -55,11 +56,12 @@ class PeerIntake:
         Peers send it, so every value is checked here, before it can become a task: a huge
         epoch would reach a worker and fail there forever.
         """
-        plan, world_size = self.job.plan, self.job.config.world_size
-        if not (0 <= rank < world_size and 0 <= epoch <= MAX_EPOCH and 0 <= step <= plan.batches_per_epoch):
+        plan = self.job.plan
+        if not (rank in self.trainers and 0 <= epoch <= MAX_EPOCH and 0 <= step <= plan.batches_per_epoch):
             raise OutsidePlan(
                 f"position rank {str(rank)[:24]} epoch {str(epoch)[:24]} step {str(step)[:24]} is outside the plan "
-                f"(ranks 0..{world_size - 1}, epochs 0..{MAX_EPOCH}, steps 0..{plan.batches_per_epoch})"
+                f"(ranks {format_ranks(self.served)} served here, epochs 0..{MAX_EPOCH}, "
+                f"steps 0..{plan.batches_per_epoch})"
             )
         self.last_report[rank] = time.monotonic()
         return plan.linear(epoch, step)
@@ -118,7 +120,7 @@ class PeerIntake:
             return
         self._next_trainer_check = now + _TRAINER_CHECK_S
         paths = self.job.paths
-        for rank in range(self.job.config.world_size):
+        for rank in self.served:
             try:
                 state = trainer_state(paths, rank)
             except OSError as exc:  # a symlink or FIFO planted under the name: it proves nothing

@@ -82,12 +82,13 @@ def fit_layout(job: Job, fields: list[FieldSpec]) -> tuple[BatchLayout, int]:
     layout = plan_layout(fields, job.source_names)
     size = layout.size
     capacity = cfg.buffer_bytes // size
-    needed = cfg.world_size * (cfg.retain + 1)
+    served = len(cfg.served_ranks)  # the bound is split between the ranks this daemon serves
+    needed = served * (cfg.retain + 1)
     if capacity < needed:
         raise ConfigError(
             f"--buffer {format_size(cfg.buffer_bytes)} is smaller than one batch per rank: a batch is "
-            f"{format_size(size)}, and {cfg.world_size} rank(s) x (1 ahead + --retain {cfg.retain}) need "
-            f"{format_size(size * needed)}; use --buffer {format_size(size * cfg.world_size * (cfg.retain + 8))} "
+            f"{format_size(size)}, and {served} rank(s) x (1 ahead + --retain {cfg.retain}) need "
+            f"{format_size(size * needed)}; use --buffer {format_size(size * served * (cfg.retain + 8))} "
             "or more (a few hundred batches per rank is typical)"
         )
     stats = os.statvfs(job.paths.dir)
@@ -114,6 +115,7 @@ def write_manifest(job: Job, layout: BatchLayout, *, window: int, endpoint: str,
         "num_samples": job.plan.num_samples,
         "batches_per_epoch": job.plan.batches_per_epoch,
         "world_size": cfg.world_size,
+        "ranks": list(cfg.served_ranks),  # this node's: a trainer of another rank is told where it is not
         "batch_size": cfg.batch_size,
         "global_batch": job.plan.global_batch,
         "drop_last": cfg.drop_last,

@@ -2,7 +2,8 @@
 
 Each rank reads its batches in order, across epochs; batch ``i`` of a rank is its linear
 index (``epoch * batches_per_epoch + step``). A rank's *position* is the next batch it will
-read. The byte bound, divided by the batch size, is shared equally between ranks; of each
+read. The scheduler keeps the ranks this daemon serves (all of them, or its node's). The
+byte bound, divided by the batch size, is shared equally between them; of each
 rank's share, ``retain`` batches keep what it consumed last (a trainer restarted from a
 checkpoint a few steps back finds them warm) and ``window`` batches lie ahead. A rank keeps
 ``[position - retain, position + window)``.
@@ -19,6 +20,7 @@ checkpoint a few steps back finds them warm) and ``window`` batches lie ahead. A
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
@@ -32,21 +34,23 @@ class RankState:
 
 
 class Scheduler:
-    def __init__(self, world_size: int, capacity: int, retain: int = 0):
-        if capacity // world_size <= retain:
+    def __init__(self, ranks: int | Iterable[int], capacity: int, retain: int = 0):
+        """``ranks``: the ranks served (their numbers in the plan), or how many from rank 0."""
+        served = range(ranks) if isinstance(ranks, int) else sorted(ranks)
+        if capacity // len(served) <= retain:
             raise ValueError(
-                f"capacity {capacity} batches leaves no window ahead for {world_size} ranks retaining {retain}"
+                f"capacity {capacity} batches leaves no window ahead for {len(served)} ranks retaining {retain}"
             )
         self.capacity = capacity
         self.retain = retain
-        self.window = capacity // world_size - retain
-        self.ranks = [RankState() for _ in range(world_size)]
+        self.window = capacity // len(served) - retain
+        self.ranks = {rank: RankState() for rank in served}
         self.reserved = 0  # slots taken by consumed batches still mapped by a client
 
     @property
     def held(self) -> int:
         """Batches that occupy the buffer: ready or being written."""
-        return sum(len(r.ready) + len(r.in_flight) for r in self.ranks)
+        return sum(len(r.ready) + len(r.in_flight) for r in self.ranks.values())
 
     def _in_window(self, rank: int, index: int) -> bool:
         pos = self.ranks[rank].position
@@ -72,7 +76,7 @@ class Scheduler:
         if self.full:
             return None
         best = None
-        for rank, state in enumerate(self.ranks):
+        for rank, state in self.ranks.items():
             if state.parked:
                 continue
             for distance in range(self.window):
@@ -96,13 +100,14 @@ class Scheduler:
         which frees slots. Checking only the next batch keeps this O(ranks) on a full buffer.
         """
         if not self.full or all(
-            state.parked or state.position in state.ready or state.position in state.in_flight for state in self.ranks
+            state.parked or state.position in state.ready or state.position in state.in_flight
+            for state in self.ranks.values()
         ):
             return None
         farthest = max(
             (
                 (index - state.position, rank, index)
-                for rank, state in enumerate(self.ranks)
+                for rank, state in self.ranks.items()
                 if not state.parked
                 for index in state.ready
             ),
@@ -148,6 +153,6 @@ class Scheduler:
 
     def start_at_adopted(self) -> None:
         """Until its trainer reports, a rank is assumed at its first adopted batch (not at 0)."""
-        for state in self.ranks:
+        for state in self.ranks.values():
             if state.ready:
                 state.position = min(state.ready)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
-from prefetchd_client.layout import MAX_RANK, check_job_name, parse_tcp_endpoint
+from prefetchd_client.layout import MAX_RANK, check_job_name, parse_ranks, parse_tcp_endpoint
 
 from .errors import ConfigError
 from .plan import MIX_RULES
@@ -152,6 +152,15 @@ SETTINGS: tuple[Setting, ...] = (
         rules=(_at_least(1), (lambda v: v <= MAX_RANK + 1, f"at most {MAX_RANK + 1}")),
     ),
     Setting(
+        "job", "ranks", (str, list),
+        help="the ranks this node's daemon serves: a range A-B or a comma list (a list of integers in TOML); "
+        "one daemon per node, each with its own ranks, of one global plan",
+        default_text="all ranks",
+        check=parse_ranks,
+        metavar="RANKS",
+        type_text="ranks",
+    ),
+    Setting(
         "job", "batch_size", (int,),
         help="samples per batch, per rank",
         default=32,
@@ -285,7 +294,8 @@ def echo(config: Any) -> dict:  # a prefetchd.config.Config, which builds on thi
     bytes); unset keys are None."""
     echoed: dict[str, dict] = {section: {} for section in SECTIONS}
     for s in SETTINGS:
-        echoed[s.section][s.key] = getattr(config, s.field)
+        value = getattr(config, s.field)
+        echoed[s.section][s.key] = list(value) if isinstance(value, tuple) else value  # as JSON has it
     return echoed
 
 

@@ -12,6 +12,8 @@ import os
 import time
 from dataclasses import dataclass, field
 
+from prefetchd_client.layout import format_ranks
+
 from . import settings
 
 _RATE_WINDOW_S = 10.0
@@ -41,7 +43,7 @@ def job_status(m) -> dict:  # m: the prefetchd.master.Master, which imports this
     now = time.monotonic()
     buffer, plan, intake = m.buffer, m.job.plan, m.intake
     ranks = []
-    for r, state in enumerate(buffer.scheduler.ranks):
+    for r, state in buffer.scheduler.ranks.items():
         epoch, step = plan.unlinear(state.position)
         last = intake.last_report.get(r)
         ranks.append(
@@ -64,6 +66,8 @@ def job_status(m) -> dict:  # m: the prefetchd.master.Master, which imports this
         "pid": os.getpid(),
         "uptime_s": round(time.time() - m.started_at, 1),
         "batches_per_epoch": plan.batches_per_epoch,
+        "world_size": m.config.world_size,
+        "served_ranks": format_ranks(m.config.served_ranks),  # this node's share of the world
         "config": settings.echo(m.config),
         "buffer": {
             "bound_bytes": m.config.buffer_bytes,

@@ -50,7 +50,20 @@ def job_root(monkeypatch) -> Path:
     root = Path(tempfile.mkdtemp(prefix=JOB_ROOT_PREFIX, dir=SHM))
     monkeypatch.setenv("PREFETCHD_ROOT", str(root))
     yield root
-    # Stop what the test started (by the pids in its manifests) and prove it is all gone.
+    remove_root(root)
+
+
+@pytest.fixture
+def node_roots(job_root) -> list[Path]:
+    """Two job roots, as two nodes would have: the default one and a second, both removed after."""
+    second = Path(tempfile.mkdtemp(prefix=JOB_ROOT_PREFIX, dir=SHM))
+    yield [job_root, second]
+    remove_root(second)
+
+
+def remove_root(root: Path) -> None:
+    """Stop what the test started under ``root`` (by the pids in its manifests), prove it is all
+    gone, and remove the root."""
     for job in root.iterdir() if root.exists() else []:
         paths = JobPaths(job)
         if daemon_alive(paths):

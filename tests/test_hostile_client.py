@@ -39,6 +39,7 @@ MANIFEST = {
     "num_samples": 48,
     "batches_per_epoch": 6,
     "world_size": 2,
+    "ranks": [0, 1],
     "batch_size": 4,
     "global_batch": 8,
     "drop_last": True,
@@ -227,9 +228,12 @@ def test_verify_of_a_hostile_producer_spec_is_a_clear_error(fake_job, spec):
 def test_verify_with_a_missing_index_is_a_clear_error(fake_job):
     paths = fake_job()
     spec = {"job_dir": str(paths.dir), "plan": {"num_samples": 48, "world_size": 2, "batch_size": 4}}
-    (paths.dir / "producer.json").write_text(json.dumps(spec | {"source_names": ["s"], "transforms": [],
-                                                                 "pipeline": None, "config_hash": "x",
-                                                                 "version": SPEC_VERSION}))
+    (paths.dir / "producer.json").write_text(
+        json.dumps(
+            spec
+            | {"source_names": ["s"], "transforms": [], "pipeline": None, "config_hash": "x", "version": SPEC_VERSION}
+        )
+    )
     layout = BatchLayout.plan([FieldSpec("index", "int64", (4,))])
     writer = BatchWriter(paths.batch(0, 0, 0), layout)
     writer.finish(0, 0, 0, {"config_hash": "x"})

@@ -16,14 +16,14 @@ def drain(s: Scheduler, limit: int = 1000) -> list[tuple[int, int]]:
 
 
 def test_fills_most_urgent_first_and_stops_at_capacity():
-    s = Scheduler(world_size=2, capacity=6)
+    s = Scheduler(ranks=2, capacity=6)
     order = drain(s)
     assert order == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 2), (1, 2)]
     assert s.held == 6 and s.next_task() is None
 
 
 def test_consumed_batches_are_deleted_and_refilled_across_epochs():
-    s = Scheduler(world_size=1, capacity=3)
+    s = Scheduler(ranks=1, capacity=3)
     drain(s)
     assert s.move_position(0, 2) == [0, 1]
     assert drain(s) == [(0, 3), (0, 4)]
@@ -31,7 +31,7 @@ def test_consumed_batches_are_deleted_and_refilled_across_epochs():
 
 
 def test_paused_rank_pins_its_window_while_others_go_on():
-    s = Scheduler(world_size=2, capacity=4)
+    s = Scheduler(ranks=2, capacity=4)
     drain(s)
     s.move_position(1, 2)  # rank 0 is paused at 0
     assert drain(s) == [(1, 2), (1, 3)]
@@ -39,7 +39,7 @@ def test_paused_rank_pins_its_window_while_others_go_on():
 
 
 def test_in_flight_counts_against_the_bound():
-    s = Scheduler(world_size=1, capacity=2)
+    s = Scheduler(ranks=1, capacity=2)
     a, b = s.next_task(), None
     s.task_started(*a)
     b = s.next_task()
@@ -48,7 +48,7 @@ def test_in_flight_counts_against_the_bound():
 
 
 def test_backward_seek_drops_what_is_now_too_far_ahead():
-    s = Scheduler(world_size=1, capacity=3)
+    s = Scheduler(ranks=1, capacity=3)
     s.move_position(0, 10)
     drain(s)
     assert s.move_position(0, 8) == [11, 12]
@@ -56,7 +56,7 @@ def test_backward_seek_drops_what_is_now_too_far_ahead():
 
 
 def test_batch_finished_after_its_rank_moved_past_it_is_deleted():
-    s = Scheduler(world_size=1, capacity=2)
+    s = Scheduler(ranks=1, capacity=2)
     task = s.next_task()
     s.task_started(*task)
     s.move_position(0, 5)
@@ -65,7 +65,7 @@ def test_batch_finished_after_its_rank_moved_past_it_is_deleted():
 
 
 def test_abandoned_task_is_reissued():
-    s = Scheduler(world_size=1, capacity=2)
+    s = Scheduler(ranks=1, capacity=2)
     task = s.next_task()
     s.task_started(*task)
     s.task_abandoned(*task)
@@ -74,13 +74,13 @@ def test_abandoned_task_is_reissued():
 
 def test_capacity_below_one_batch_per_rank_is_refused():
     with pytest.raises(ValueError):
-        Scheduler(world_size=4, capacity=3)
+        Scheduler(ranks=4, capacity=3)
     with pytest.raises(ValueError):
-        Scheduler(world_size=2, capacity=6, retain=3)
+        Scheduler(ranks=2, capacity=6, retain=3)
 
 
 def test_retained_batches_stay_behind_the_position_within_the_share():
-    s = Scheduler(world_size=1, capacity=5, retain=2)
+    s = Scheduler(ranks=1, capacity=5, retain=2)
     assert s.window == 3
     assert drain(s) == [(0, 0), (0, 1), (0, 2)]
     assert s.move_position(0, 1) == []  # batch 0 is retained
@@ -92,7 +92,7 @@ def test_retained_batches_stay_behind_the_position_within_the_share():
 
 
 def test_a_parked_rank_gets_nothing_until_it_reports_again():
-    s = Scheduler(world_size=2, capacity=4)
+    s = Scheduler(ranks=2, capacity=4)
     drain(s)
     assert s.park(0) == [0, 1]
     assert drain(s) == []  # rank 1's window is full, rank 0 is parked
@@ -105,7 +105,7 @@ def test_a_parked_rank_gets_nothing_until_it_reports_again():
 def test_a_gap_before_ready_batches_in_a_full_buffer_takes_the_farthest_slot():
     """The deadlock a daemon kill -9 found: the restarted daemon adopted batches 41.. (40 was
     being written when its predecessor died), the trainer still maps 39 and waits for 40."""
-    s = Scheduler(world_size=1, capacity=6)
+    s = Scheduler(ranks=1, capacity=6)
     for index in (41, 42, 43, 44, 45):
         assert s.adopt(0, index)
     s.start_at_adopted()
@@ -118,7 +118,7 @@ def test_a_gap_before_ready_batches_in_a_full_buffer_takes_the_farthest_slot():
 
 
 def test_make_room_only_gives_a_slot_to_a_batch_nearer_than_the_one_it_takes():
-    s = Scheduler(world_size=2, capacity=4)
+    s = Scheduler(ranks=2, capacity=4)
     drain(s)  # each rank holds 0 and 1
     s.move_position(0, 1)  # rank 0 consumed 0 and misses 2, at distance 1
     s.reserved = 1

@@ -47,6 +47,7 @@ def non_default_flags(option: str, tmp_path: Path) -> tuple[dict, object]:
         "name": ("other", "other"),
         "seed": (7, 7),
         "world_size": (3, 3),
+        "ranks": ("0", (0,)),
         "batch_size": (5, 5),
         "drop_last": (False, False),
         "decoder": ("simplejpeg", "simplejpeg"),
@@ -83,9 +84,7 @@ def test_every_flag_reaches_its_config_field(setting, tmp_path):
     cfg = load_config(None, {"data": str(tmp_path), **flags})
     assert getattr(default, setting.field) != expected, "the test's value is the default: it proves nothing"
     assert getattr(cfg, setting.field) == expected
-    changed = {
-        (s.section, s.key) for s in settings.SETTINGS if getattr(cfg, s.field) != getattr(default, s.field)
-    }
+    changed = {(s.section, s.key) for s in settings.SETTINGS if getattr(cfg, s.field) != getattr(default, s.field)}
     assert changed == {(settings.BY_OPTION[o].section, settings.BY_OPTION[o].key) for o in flags}
 
 
@@ -162,7 +161,7 @@ def test_mix_flag_overrides_the_config_files_epoch_rule(tmp_path, jpeg_folder, j
     """Two weighted sources of 48 images: a `cycle` epoch runs until the weight-1 source has
     given all 48 (48 + 144 samples), a `first_exhausted` one ends when the weight-3 source has
     (48 + 16)."""
-    extra = "\n[mix]\nepoch = \"cycle\"\n"
+    extra = '\n[mix]\nepoch = "cycle"\n'
     config = write_config(tmp_path, jpeg_folder, name="mixed", batch_size=4, extra=extra)
     one_source = f'[[source]]\nkind = "image_folder"\nroot = "{jpeg_folder}"\n'
     two_sources = (

@@ -23,7 +23,7 @@ from . import batchfile, transport
 from .device import DeviceFeeder
 from .errors import AuthError, BatchFormatError, BatchTimeout, DaemonDied, JobNotRunning, PlanMismatch
 from .folders import open_job
-from .layout import MAX_EPOCH, JobPaths
+from .layout import MAX_EPOCH, JobPaths, format_ranks
 from .locks import daemon_alive, hold_trainer_lock, release_trainer_lock
 from .manifest import VersionMismatch, check_manifest, read_manifest, read_stopped
 from .readahead import ReadAhead
@@ -261,6 +261,13 @@ class PrefetchLoader:
             )
         if not 0 <= self.rank < world:
             raise PlanMismatch(f"rank {self.rank} is outside 0..{world - 1} of job {self._paths.name!r}")
+        served = self.manifest["ranks"]
+        if self.rank not in served:
+            raise PlanMismatch(
+                f"rank {self.rank} is not served by the daemon of job {self._paths.name!r} under "
+                f"{self._paths.dir.parent}: it serves ranks {format_ranks(served)} of {world} (--ranks). Run this "
+                "rank on the node whose daemon serves it, or start this node's daemon with its ranks"
+            )
 
     # -- DataLoader surface ----------------------------------------------------------------
 
@@ -343,7 +350,6 @@ class PrefetchLoader:
         self._epoch, self._step = epoch + 1, 0
         if not readers.announce_next():
             self._report(epoch + 1, 0)
-
 
     def _take(self, reader: ReadAhead, step: int) -> dict:
         batch = reader.take(step)

@@ -8,12 +8,12 @@ from __future__ import annotations
 import json
 
 from .folders import read_regular_file
-from .layout import MANIFEST, MAX_RANK, MAX_STEP, STOPPED, JobPaths, parse_tcp_endpoint
+from .layout import MANIFEST, MAX_RANK, MAX_STEP, STOPPED, JobPaths, parse_ranks, parse_tcp_endpoint
 
 _MAX_MANIFEST_BYTES = 1 << 20
 # The manifest's own format. The daemon (package prefetchd) writes it and the client (package
 # prefetchd-client) reads it; they are installed separately, so a client checks it first.
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2: "ranks", the ranks a daemon serves
 _CURVE_KEY_CHARS = 40  # a CURVE public key in Z85 text
 
 
@@ -99,6 +99,8 @@ def check_manifest(paths: JobPaths, manifest: dict) -> dict:
     for key, (valid, kind) in _MANIFEST_VALUES.items():
         if not valid(manifest.get(key)):
             raise ValueError(f"{paths.manifest}: {key!r} must be {kind}, found {manifest.get(key)!r:.60}")
+    if not _valid_ranks(manifest.get("ranks"), manifest["world_size"]):
+        raise ValueError(f"{paths.manifest}: 'ranks' must be ranks of the world, found {manifest.get('ranks')!r:.60}")
     if not valid_endpoint(paths, manifest.get("endpoint")):
         raise ValueError(
             f"{paths.manifest}: 'endpoint' must be {paths.endpoint} or tcp://HOST:PORT, "
@@ -107,6 +109,14 @@ def check_manifest(paths: JobPaths, manifest: dict) -> dict:
     if not valid_curve_key(manifest.get("curve_public_key")):
         raise ValueError(f"{paths.manifest}: 'curve_public_key' must be null or a {_CURVE_KEY_CHARS}-character key")
     return manifest
+
+
+def _valid_ranks(ranks, world_size: int) -> bool:
+    """The ranks the daemon serves: sorted, distinct, each of the world."""
+    try:
+        return isinstance(ranks, list) and list(parse_ranks(ranks)) == ranks and ranks[-1] < world_size
+    except ValueError:
+        return False
 
 
 def valid_endpoint(paths: JobPaths, endpoint) -> bool:
