@@ -8,7 +8,6 @@ holds. Every byte the bound counts is in ``used_bytes``.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 
@@ -16,6 +15,7 @@ from prefetchd_client.batchfile import BatchFormatError, BatchLayout, map_batch
 from prefetchd_client.layout import parse_batch_name
 
 from .job import Job
+from .producer import why_not_this_batch
 from .retire import RetiredBatches
 from .scheduler import Scheduler
 from .sizes import format_size
@@ -113,9 +113,7 @@ class Buffer:
             )
 
     def _valid_leftover(self, entry: os.DirEntry) -> bool:
-        """A leftover is this plan's batch: its plan digest, not merely its config hash (which
-        leaves out world size, batch size and weights so resume states stay elastic); and this
-        layout's field table, which a [pipeline] callable decides beyond what the digest names."""
+        """A leftover is this plan's batch, of a rank served here (producer.why_not_this_batch)."""
         name = parse_batch_name(entry.name)
         if name is None or not entry.is_file(follow_symlinks=False):
             return False
@@ -124,17 +122,9 @@ class Buffer:
             return False
         try:
             header, _ = map_batch(entry.path, pin=False)
-            meta = header["meta"]
+            return why_not_this_batch(header, entry.stat().st_size, name, self.layout, self.job.spec) is None
         except (OSError, BatchFormatError):
             return False
-        fields = [{k: f[k] for k in ("name", "dtype", "shape", "offset")} for f in header["fields"]]
-        return (
-            (header["epoch"], header["step"], header["rank"]) == name
-            and meta.get("plan_digest") == self.job.plan_digest
-            and meta.get("config_hash") == self.job.config_hash
-            and fields == json.loads(self.layout.table_bytes)
-            and entry.stat().st_size == self.layout.size
-        )
 
     def files_bytes(self, now: float) -> int:
         """Blocks allocated to the buffer's files, as the filesystem reports them; each file once

@@ -41,6 +41,7 @@ one). Pure: no I/O beyond reading the file and checking the CURVE key files it n
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import math
 import os
@@ -49,7 +50,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from prefetchd_client.batchfile import VERSION as BATCH_FORMAT_VERSION
-from prefetchd_client.layout import format_ranks, parse_tcp_endpoint
+from prefetchd_client.layout import parse_tcp_endpoint
+from prefetchd_client.ranks import format_ranks
 from prefetchd_client.transport import load_secret_certificate
 
 from . import fastdecode, settings, transforms
@@ -78,6 +80,10 @@ class Config:
     decoder: str
     buffer_bytes: int
     workers: int
+    executor: str
+    ray_address: str
+    ray_workers: int
+    ray_resources: dict | None
     retain: int
     on_error: str
     max_bad_rate: float
@@ -239,6 +245,17 @@ def _check_ranks_in_world(ranks: tuple[int, ...] | None, world_size: int) -> Non
         )
 
 
+def _check_executor(values: dict) -> None:
+    if values["workers"] == 0 and values["executor"] != "ray":
+        raise ConfigError(
+            "[daemon] workers / --workers must be at least 1 with the local executor; 0 makes sense only with "
+            "--executor ray, where the cluster makes every batch"
+        )
+    # The bridge process imports Ray; without it, the start fails here, before anything is made.
+    if values["executor"] == "ray" and importlib.util.find_spec("ray") is None:
+        raise ConfigError("[daemon] executor / --executor ray needs Ray on this node: pip install 'prefetchd[ray]'")
+
+
 def _check_decoder_installed(decoder: str) -> None:
     if decoder == "simplejpeg":
         try:
@@ -265,6 +282,7 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
     values = {s.field: _checked_value(s, tables[s.section]) for s in settings.SETTINGS}
     values = _check_endpoint(values, base, overrides)
     _check_ranks_in_world(values["ranks"], values["world_size"])
+    _check_executor(values)
     _check_decoder_installed(values["decoder"])
     sources = _check_sources(raw.get("source", []), data, base)
 

@@ -39,6 +39,7 @@ class ExitCode(IntEnum):
     WORKER_CRASHES = 7  # workers died faster than --max-worker-restarts, or one batch kills its worker
     TASK_ERROR = 8  # a batch failed, or hung, too many times
     BAD_DATA = 9  # too many unreadable samples: the data, not a sample, is broken
+    EXECUTOR_LOST = 10  # the Ray cluster was lost and no local workers were left to go on
     INTERNAL = 70  # a bug or an unforeseen failure (BSD's EX_SOFTWARE), named by its exception
 
 

@@ -16,8 +16,9 @@ from collections.abc import Callable
 
 import zmq
 
-from prefetchd_client.layout import MAX_EPOCH, format_ranks
+from prefetchd_client.layout import MAX_EPOCH
 from prefetchd_client.locks import trainer_state
+from prefetchd_client.ranks import format_ranks
 
 from . import control
 from .errors import DaemonStop

@@ -205,19 +205,20 @@ class Master:
     def _replace_dead_workers(self, now: float) -> None:
         """Account for each dead worker (its last reports, its files, its task, the restart
         budget), then start its replacement."""
+        counted = set()  # the Ray bridge's slots share its process: one death, not one per slot
         for slot in self.pool.newly_dead():
             self._take_results(slot)  # it may have reported before dying
             code = self.pool.bury(slot)
             if slot.task is not None:
                 self._settle_unreported_task(slot)
-            if not slot.ready and code is not None and code >= 0:
-                # It ended by itself before booting (a crash in an import, say): respawning would
-                # loop. Killed by a signal (code < 0) is a death like any other.
+            if self.pool.died_booting(slot, code):  # respawning would loop (a crash in an import, say)
                 raise DaemonStop(
                     f"a worker exited with code {code} before it booted; see {self.paths.log}", ExitCode.WORKER_BOOT
                 )
-            self.restarts.note_death(now, code)
-            log.warning("worker pid %d died (exit code %s); starting a new one", slot.pid, code)
+            if slot.pid not in counted:
+                counted.add(slot.pid)
+                self.restarts.note_death(now, code)
+                log.warning("worker pid %d died (exit code %s); starting a new one", slot.pid, code)
             slot.reaped = True  # last: a turn cut short above (out of descriptors) accounts for it again
         self.pool.respawn_buried()
 

@@ -12,6 +12,7 @@ else is a BadWorkerMessage, and the master replaces that worker.
                            that moves from one blocked in a call that releases the GIL
                        Done(epoch, step, rank, published, sources, replaced, longest_bad_run)
                        Failed(epoch, step, rank, error, sample, nospace)
+    bridge -> master   ExecutorLost(why)  the Ray cluster can no longer be used (prefetchd.raybridge)
 """
 
 from __future__ import annotations
@@ -86,9 +87,14 @@ class Failed:
         return self.epoch, self.step, self.rank
 
 
-Message = Produce | Stop | Ready | BootFailed | Heartbeat | Done | Failed
+@dataclass(frozen=True)
+class ExecutorLost:
+    why: str
+
+
+Message = Produce | Stop | Ready | BootFailed | Heartbeat | Done | Failed | ExecutorLost
 _OPS = {"produce": Produce, "stop": Stop, "ready": Ready, "boot_failed": BootFailed, "heartbeat": Heartbeat}
-_OPS |= {"done": Done, "failed": Failed}
+_OPS |= {"done": Done, "failed": Failed, "executor_lost": ExecutorLost}
 _OP_OF = {cls: op for op, cls in _OPS.items()}
 _REPLACED_KEYS = {"slot": int, "index": int, "path": str, "error": str, "replacement": int}
 _FIELD_KEYS = {"name": str, "dtype": str, "shape": list}

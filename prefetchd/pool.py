@@ -1,6 +1,13 @@
 """The worker processes: spawn them, talk to them over their pipes, judge their liveness,
 bury the dead and start their replacements. What a death or a result means for the job
 (retries, budgets, the ledger) is the master's business; this module only reports them.
+
+With ``--executor ray`` the pool also runs the Ray bridge (prefetchd.raybridge): one process
+with one pipe per batch it may have in flight on the cluster. Each pipe is a slot of kind
+"ray" that the master treats as any worker; they share the bridge's process, so they die
+together, and the bridge is started again once all are buried. When the bridge says the
+cluster is lost (or cannot start again), its slots are dropped and the local workers go on;
+without local workers the daemon stops (EXECUTOR_LOST).
 """
 
 from __future__ import annotations
@@ -10,6 +17,7 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -18,11 +26,13 @@ from prefetchd_client.batchfile import FieldSpec
 from . import messages
 from .errors import DaemonStop, ExitCode, JobError
 from .job import Job
+from .raybridge import bridge_main
 from .worker import HEARTBEAT_S, worker_main
 
 log = logging.getLogger("prefetchd")
 
 WORKER_BOOT_TIMEOUT_S = 120.0
+_LOCAL_RAY_STORE_BYTES = 1 << 30
 _WORKER_STOP_TIMEOUT_S = 5.0
 
 
@@ -40,6 +50,7 @@ class WorkerSlot:
     making: list | None = None  # [sample id, path] it last said it was making
     hung: bool = False  # killed by kill_hung: a hang of its task counts as a failed attempt
     reaped: bool = False  # its death is accounted for, its replacement maybe not yet spawned
+    kind: str = "local"  # or "ray": a relay of the Ray bridge, whose process it shares
 
     @property
     def pid(self) -> int:
@@ -66,10 +77,39 @@ class WorkerPool:
         self._fields: list[FieldSpec] = []  # the batch layout's fields, as the first worker to boot said
         self.slots: list[WorkerSlot] = []
         self.changed = True  # slots were replaced since the master last registered their pipes
+        self.ray_booted = False  # the bridge has connected once: a later failure loses Ray, not the start
+        self.ray_lost: str | None = None  # why the Ray cluster was given up
 
     def spawn_all(self) -> None:
         for _ in range(self.job.config.workers):
             self.slots.append(self._spawn())
+        if self.job.config.executor == "ray":
+            self.slots.extend(self._spawn_bridge())
+
+    def _spawn_bridge(self) -> list[WorkerSlot]:
+        cfg = self.job.config
+        ctx = multiprocessing.get_context("spawn")
+        pipes = [ctx.Pipe() for _ in range(cfg.ray_workers)]
+        options = {
+            "address": cfg.ray_address,
+            "resources": dict(cfg.ray_resources or {}),
+            "worker_timeout": cfg.worker_timeout,
+            # --ray-address local: a private instance, its object store on disk-backed /tmp, not the tmpfs
+            "local_cpus": cfg.ray_workers,
+            "store_bytes": _LOCAL_RAY_STORE_BYTES,
+            "plasma_dir": tempfile.gettempdir(),
+        }
+        process = ctx.Process(
+            target=bridge_main,
+            args=(self._spec_json, [child for _, child in pipes], cfg.worker_nice, options),
+            daemon=True,
+            name="prefetchd-ray-bridge",
+        )
+        process.start()
+        for _, child in pipes:
+            child.close()
+        self.changed = True
+        return [WorkerSlot(process, parent, kind="ray") for parent, _ in pipes]
 
     def _spawn(self) -> WorkerSlot:
         ctx = multiprocessing.get_context("spawn")
@@ -86,16 +126,19 @@ class WorkerPool:
         return WorkerSlot(process, parent_conn)
 
     def await_first(self) -> list[FieldSpec]:
-        """Wait for one worker to boot; its fields are the batch layout (they all compute the same)."""
+        """Wait for one worker of each kind to boot (the Ray bridge too: a cluster that cannot be
+        used fails the start); their fields are the batch layout (they all compute the same)."""
         deadline = time.monotonic() + WORKER_BOOT_TIMEOUT_S
+        kinds = {s.kind for s in self.slots}
         while time.monotonic() < deadline:
             for slot in self.slots:
                 self.receive(slot)  # no task is out yet: nothing but its boot to hear
-                if slot.ready:
+                if {s.kind for s in self.slots if s.ready} == kinds:
                     return self._fields
                 if not slot.process.is_alive() and not slot.conn.poll(0):
+                    what = "the Ray bridge" if slot.kind == "ray" else "a worker"
                     raise JobError(
-                        f"a worker exited with code {slot.process.exitcode} while booting; see {self.job.paths.log}"
+                        f"{what} exited with code {slot.process.exitcode} while booting; see {self.job.paths.log}"
                     )
             multiprocessing.connection.wait([s.conn for s in self.slots], timeout=0.2)
         raise JobError(f"no worker booted within {WORKER_BOOT_TIMEOUT_S:.0f} s; see {self.job.paths.log}")
@@ -117,10 +160,13 @@ class WorkerPool:
                 if isinstance(msg, messages.Heartbeat):
                     slot.note_heartbeat(msg)
                 elif isinstance(msg, messages.BootFailed):
-                    self._boot_failed(msg)
+                    self._boot_failed(slot, msg)
                 elif isinstance(msg, messages.Ready):
                     slot.ready = True
+                    self.ray_booted = self.ray_booted or slot.kind == "ray"
                     self._fields = [FieldSpec.from_json(f) for f in msg.fields]
+                elif isinstance(msg, messages.ExecutorLost) and slot.kind == "ray":
+                    self._lose_ray(slot, msg.why)
                 elif isinstance(msg, messages.Done | messages.Failed):
                     results.append(msg)
                 else:  # Produce or Stop, from a [pipeline] callable that reached the pipe: no result
@@ -129,12 +175,22 @@ class WorkerPool:
             pass  # the worker is gone; the master buries it
         return results
 
-    def _boot_failed(self, msg: messages.BootFailed) -> None:
-        log.error("worker failed to boot:\n%s", msg.error)
+    def _boot_failed(self, slot: WorkerSlot, msg: messages.BootFailed) -> None:
         last = msg.error.strip().splitlines()[-1] if msg.error.strip() else "(no message)"
-        raise DaemonStop(
-            f"a worker could not start: {last} (full traceback in {self.job.paths.log})", ExitCode.WORKER_BOOT
-        )
+        if slot.kind == "ray" and self.ray_booted:  # it served before: the cluster is gone, not the config
+            self._lose_ray(slot, f"the Ray bridge could not connect again: {last}")
+            return
+        log.error("%s failed to boot:\n%s", "the Ray bridge" if slot.kind == "ray" else "worker", msg.error)
+        what = "the Ray executor" if slot.kind == "ray" else "a worker"
+        raise DaemonStop(f"{what} could not start: {last} (in full in {self.job.paths.log})", ExitCode.WORKER_BOOT)
+
+    def _lose_ray(self, slot: WorkerSlot, why: str) -> None:
+        """Give the cluster up: the bridge is ended; its slots, once buried, are not replaced."""
+        if self.ray_lost is None:
+            local = sum(s.kind == "local" for s in self.slots)
+            log.error("the Ray cluster is lost (%s); going on with %d local workers", why, local)
+        self.ray_lost = why
+        slot.process.kill()
 
     def send_task(self, slot: WorkerSlot, rank: int, index: int) -> bool:
         """Hand ``slot`` its task; False when its worker is dying (the master replaces it)."""
@@ -183,6 +239,12 @@ class WorkerPool:
         name = self.job.batch_name(*slot.task)
         return f"finished no sample of batch {name} for {stalled:.0f} s{slot.making_text()}"
 
+    def died_booting(self, slot: WorkerSlot, code: int | None) -> bool:
+        """It ended by itself before it booted: started again, it would end again. Killed by a
+        signal (code < 0) is a death like any other; so is a bridge that lost its cluster."""
+        lost = slot.kind == "ray" and self.ray_lost is not None
+        return not slot.ready and code is not None and code >= 0 and not lost
+
     def newly_dead(self) -> list[WorkerSlot]:
         """Dead workers whose death the master has not accounted for yet."""
         return [s for s in self.slots if not s.reaped and not s.process.is_alive()]
@@ -209,12 +271,25 @@ class WorkerPool:
                         pass
 
     def respawn_buried(self) -> None:
-        """Start a replacement for each buried worker. A spawn that fails (out of descriptors)
-        leaves its slot buried, and the next turn tries again."""
+        """Start a replacement for each buried worker, and a new bridge once all its slots are
+        buried (unless Ray is lost). A spawn that fails (out of descriptors) leaves its slot
+        buried, and the next turn tries again."""
         for i, slot in enumerate(self.slots):
-            if slot.reaped:
+            if slot.reaped and slot.kind == "local":
                 self.changed = True  # before the spawn: a dead slot's closed pipe must not stay registered
                 self.slots[i] = self._spawn()
+        relays = [s for s in self.slots if s.kind == "ray"]
+        if relays and all(s.reaped for s in relays):
+            self.changed = True
+            self.slots = [s for s in self.slots if s.kind != "ray"]
+            if self.ray_lost is None:
+                self.slots.extend(self._spawn_bridge())
+            elif not self.slots:
+                raise DaemonStop(
+                    f"the Ray cluster is lost ({self.ray_lost}) and this daemon has no local workers (--workers 0); "
+                    "restart it when the cluster is back (the buffer is kept), or give it --workers",
+                    ExitCode.EXECUTOR_LOST,
+                )
 
     def wait_handles(self) -> list:
         """What the loop waits on for the workers: each pipe, and each process's death."""
@@ -239,8 +314,24 @@ class WorkerPool:
         self.slots = []
 
     def snapshot(self) -> list[dict]:
-        """Each worker's pid, whether it is busy, and with which batch (for status)."""
+        """Each worker's pid, kind, whether it is busy, and with which batch (for status)."""
         return [
-            {"pid": s.pid, "ready": s.ready, "task": None if s.task is None else self.job.batch_name(*s.task)}
+            {
+                "pid": s.pid,
+                "kind": s.kind,
+                "ready": s.ready,
+                "task": None if s.task is None else self.job.batch_name(*s.task),
+            }
             for s in self.slots
         ]
+
+    def executor_status(self) -> dict:
+        """Where batches are made: local workers, and the Ray cluster's state (for status)."""
+        cfg = self.job.config
+        status = {"kind": cfg.executor, "local_workers": sum(s.kind == "local" for s in self.slots)}
+        if cfg.executor == "ray":
+            relays = [s for s in self.slots if s.kind == "ray"]
+            state = "lost" if self.ray_lost else "connected" if any(s.ready for s in relays) else "connecting"
+            status |= {"address": cfg.ray_address, "state": state, "why": self.ray_lost}
+            status |= {"in_flight": sum(s.task is not None for s in relays), "slots": cfg.ray_workers}
+        return status

@@ -9,6 +9,7 @@ exists, so a batch is published once even when two workers made it.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import os
@@ -126,20 +127,44 @@ def plan_layout(fields: list[FieldSpec], source_names: list[str]) -> BatchLayout
     return BatchLayout.plan(fields, header_area=PREAMBLE.size + table + meta)
 
 
+def why_not_this_batch(header, size: int, position: tuple[int, int, int], layout: BatchLayout, spec) -> str | None:
+    """Why a batch (its parsed header, its size in bytes) is not batch ``position`` (epoch, step,
+    rank) of this plan and layout; None when it is. Both a previous daemon's leftover and a
+    batch made on another machine pass here before they count. ``spec``: this job's
+    ProducerSpec. Reading ``header["meta"]`` may raise BatchFormatError."""
+    made = (header["epoch"], header["step"], header["rank"])
+    if made != position:
+        return f"it is batch {made}, not {position}"
+    meta = header["meta"]
+    # The plan digest, not merely the config hash (which leaves out world size, batch size and
+    # weights so resume states stay elastic); and the field table, which a [pipeline] callable
+    # decides beyond what the digest names.
+    if meta.get("plan_digest") != spec.plan_digest or meta.get("config_hash") != spec.config_hash:
+        return f"made by another plan (plan digest {str(meta.get('plan_digest'))[:20]}, this job's {spec.plan_digest})"
+    if [{k: f[k] for k in ("name", "dtype", "shape", "offset")} for f in header["fields"]] != json.loads(
+        layout.table_bytes
+    ):
+        return "its fields are laid out otherwise than this job's"
+    if size != layout.size:
+        return f"{size} bytes, where this job's batches have {layout.size}"
+    return None
+
+
 def load_callable(ref: str):
     module, _, name = ref.partition(":")
     return getattr(importlib.import_module(module), name)
 
 
 class BatchProducer:
-    def __init__(self, spec: ProducerSpec, progress: SampleProgress | None = None):
+    def __init__(self, spec: ProducerSpec, progress: SampleProgress | None = None, index: SampleIndex | None = None):
+        """``index``: the job's sample list, where its folder is not at hand (a Ray node)."""
         # Pillow only warns between MAX_IMAGE_PIXELS and twice that: make it a bad sample.
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         self.spec = spec
         self.progress = SampleProgress() if progress is None else progress
         self.paths = JobPaths(Path(spec.job_dir))
         self.plan = Plan.from_json(spec.plan)
-        self.index = SampleIndex.load(self.paths.dir / "index")
+        self.index = SampleIndex.load(self.paths.dir / "index") if index is None else index
         if spec.pipeline:
             self._user_fn = load_callable(spec.pipeline)
             self._image = None
@@ -257,6 +282,34 @@ class BatchProducer:
         """Make a batch in memory, as a worker would: (meta, arrays)."""
         arrays = {f.name: np.zeros(f.shape, f.dtype) for f in self.layout.fields}
         return self.meta(arrays, self.fill(arrays, epoch, step, rank)), arrays
+
+    def make_in_memory(self, epoch: int, step: int, rank: int) -> tuple[memoryview, FillReport]:
+        """Batch (epoch, step, rank) as its file's bytes, in a buffer the next call reuses."""
+        if self._buffer is None:
+            self._buffer = BatchBuffer(self.layout)
+        try:
+            report = self.fill(self._buffer.arrays, epoch, step, rank)
+        finally:
+            self.progress.current = None
+        return self._buffer.seal(epoch, step, rank, self.meta(self._buffer.arrays, report)), report
+
+    def fingerprint(self, samples: int = 2) -> str:
+        """A digest of the first samples of batch (0, 0, 0) as this machine decodes and augments
+        them: another Pillow, libjpeg-turbo or simplejpeg build, or a node that cannot read the
+        data, gives another one. Cheap: ``samples`` samples, not a batch."""
+        arrays = {f.name: np.zeros(f.shape, f.dtype) for f in self.layout.fields}
+        ids, passes = self.plan.batch_samples(0, 0, 0)
+        digest = hashlib.sha256()
+        for slot in range(min(samples, len(ids))):
+            try:
+                self._make_sample(arrays, slot, 0, int(ids[slot]), int(passes[slot]))
+            except Exception as exc:  # unreadable here: the digest says so, in its own way
+                digest.update(f"{type(exc).__name__}: {exc}".encode())
+                continue
+            for f in self.layout.fields:
+                digest.update(arrays[f.name][slot].tobytes())
+        self.progress.current = None
+        return digest.hexdigest()[:16]
 
     def produce(self, epoch: int, step: int, rank: int) -> tuple[bool, FillReport]:
         """Write batch (epoch, step, rank) into the buffer.

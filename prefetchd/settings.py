@@ -16,7 +16,8 @@ from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
-from prefetchd_client.layout import MAX_RANK, check_job_name, parse_ranks, parse_tcp_endpoint
+from prefetchd_client.layout import MAX_RANK, check_job_name, parse_tcp_endpoint
+from prefetchd_client.ranks import parse_ranks
 
 from .errors import ConfigError
 from .plan import MIX_RULES
@@ -120,6 +121,29 @@ def _is_endpoint(text: str) -> bool:
     return True
 
 
+_MAX_RAY_WORKERS = 4096  # a pipe and a thread each in the bridge
+
+
+def parse_resources(value) -> dict[str, float]:
+    """``"prep=1,io=0.5"`` (or a TOML table) as {name: amount}; ValueError saying what is accepted."""
+    if isinstance(value, str):
+        pairs = [part.strip().partition("=") for part in value.split(",")]
+        if not all(name and eq for name, eq, _ in pairs):
+            raise ValueError(f"expected NAME=AMOUNT[,NAME=AMOUNT], got {value[:80]!r}")
+        try:
+            value = {name.strip(): float(amount) for name, _, amount in pairs}
+        except ValueError:
+            raise ValueError(f"an amount is not a number in {value[:80]!r}") from None
+    resources = {}
+    for name, amount in value.items():
+        if isinstance(amount, bool) or not isinstance(amount, int | float) or not 0 < amount < 2**32:
+            raise ValueError(f"the amount of {str(name)[:40]!r} must be a positive number, got {amount!r:.40}")
+        if not name or not name.isprintable() or name in ("CPU", "GPU", "memory"):
+            raise ValueError(f"{name[:40]!r} is not a custom resource name (each task takes 1 CPU already)")
+        resources[name] = float(amount)
+    return resources
+
+
 def _at_least(n: int) -> Rule:
     return (lambda v: v >= n, f"at least {n}")
 
@@ -190,10 +214,40 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "daemon", "workers", (int,),
-        help="worker processes",
+        help="local worker processes (0 only with --executor ray: every batch made on the cluster)",
         default_factory=default_workers,
         default_text="cores - 1, at least 1",
-        rules=(_at_least(1),),
+        rules=(_NOT_NEGATIVE,),  # at least 1 with the local executor: prefetchd.config
+    ),
+    Setting(
+        "daemon", "executor", (str,),
+        help="where batches are made: local worker processes, or also a Ray cluster (pip install 'prefetchd[ray]'; "
+        "docs/scale-out.md)",
+        default="local",
+        choices=("local", "ray"),
+    ),
+    Setting(
+        "daemon", "ray_address", (str,),
+        help="with --executor ray: auto (the cluster `ray start` made here, or $RAY_ADDRESS), HOST:PORT, or local "
+        "(a private Ray instance, for trying it out)",
+        default="auto",
+        rules=((lambda v: v != "" and v.isprintable(), "auto, local or HOST:PORT"),),
+        metavar="ADDRESS",
+    ),
+    Setting(
+        "daemon", "ray_workers", (int,),
+        help="with --executor ray: batches in flight on the cluster at once, one task and one CPU each; about the "
+        "cluster's CPUs",
+        default=8,
+        rules=(_at_least(1), (lambda v: v <= _MAX_RAY_WORKERS, f"at most {_MAX_RAY_WORKERS}")),
+    ),
+    Setting(
+        "daemon", "ray_resources", (str, dict),
+        help="with --executor ray: custom resources each task asks for, NAME=AMOUNT[,NAME=AMOUNT] (a table in TOML), "
+        "to place tasks on the nodes that have them",
+        check=parse_resources,
+        metavar="NAME=AMOUNT,...",
+        type_text="resources",
     ),
     Setting(
         "daemon", "retain", (int,),

@@ -12,7 +12,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from prefetchd_client.layout import format_ranks
+from prefetchd_client.ranks import format_ranks
 
 from . import settings
 
@@ -82,6 +82,7 @@ def job_status(m) -> dict:  # m: the prefetchd.master.Master, which imports this
         },
         "ranks": ranks,
         "backing_off_no_space": m.no_space.backing_off,
+        "executor": m.pool.executor_status(),
         "workers": {
             "count": len(workers),
             "busy": sum(w["task"] is not None for w in workers),

@@ -173,6 +173,14 @@ class BatchBuffer:
             for f, o in zip(layout.fields, layout.offsets)
         }
 
+    def seal(self, epoch: int, step: int, rank: int, meta: dict | None = None) -> memoryview:
+        """Write the header in front of the filled arrays; the whole file's bytes."""
+        header = self.layout.header_bytes(epoch, step, rank, meta)
+        view = memoryview(self.data)
+        view[: self.layout.data_start] = bytes(self.layout.data_start)  # no tail of a longer header
+        view[: len(header)] = header
+        return view
+
 
 class BatchWriter:
     """Writes one batch file: the batch is filled in memory (``arrays``), then ``finish``
@@ -191,25 +199,11 @@ class BatchWriter:
             raise ValueError("the buffer was planned for another layout")
         self.layout = layout
         self._buffer = buffer or BatchBuffer(layout)
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        try:
-            fs = os.fstatvfs(self._fd)
-            if fs.f_bavail * fs.f_frsize < layout.size:
-                why = f"{os.strerror(errno.ENOSPC)}: a batch needs {layout.size} bytes"
-                raise OSError(errno.ENOSPC, why, str(path))
-        except BaseException:
-            os.close(self._fd)
-            os.unlink(path)
-            raise
+        self._fd = _create_with_room(path, layout.size)
         self.arrays = self._buffer.arrays
 
     def finish(self, epoch: int, step: int, rank: int, meta: dict | None = None) -> None:
-        header = self.layout.header_bytes(epoch, step, rank, meta)
-        view, pos = memoryview(self._buffer.data), 0
-        view[: self.layout.data_start] = bytes(self.layout.data_start)  # no tail of a longer header
-        view[: len(header)] = header
-        while pos < len(view):  # pwrite may write less than asked; ENOSPC raises OSError
-            pos += os.pwrite(self._fd, view[pos:], pos)
+        _write_all(self._fd, self._buffer.seal(epoch, step, rank, meta))
         self.close()
 
     def close(self) -> None:
@@ -217,6 +211,37 @@ class BatchWriter:
         if self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
+
+
+def write_batch_file(path: str | os.PathLike, data) -> None:
+    """Write a batch made elsewhere (``data``: its whole file, as ``BatchBuffer.seal`` gives
+    it) to a new file, with BatchWriter's free-space check and ``pwrite``."""
+    fd = _create_with_room(path, len(data))
+    try:
+        _write_all(fd, memoryview(data).cast("B"))
+    finally:
+        os.close(fd)
+
+
+def _create_with_room(path: str | os.PathLike, size: int) -> int:
+    """A new file's descriptor; ENOSPC (and no file) when its filesystem lacks ``size`` bytes."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    try:
+        fs = os.fstatvfs(fd)
+        if fs.f_bavail * fs.f_frsize < size:
+            why = f"{os.strerror(errno.ENOSPC)}: a batch needs {size} bytes"
+            raise OSError(errno.ENOSPC, why, str(path))
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    return fd
+
+
+def _write_all(fd: int, view: memoryview) -> None:
+    pos = 0
+    while pos < len(view):  # pwrite may write less than asked; ENOSPC raises OSError
+        pos += os.pwrite(fd, view[pos:], pos)
 
 
 def content_digest(arrays: dict[str, np.ndarray], fields) -> int:
@@ -432,8 +457,20 @@ def map_batch(
     whole = np.frombuffer(buf, dtype=np.uint8)
     if unmap_in_background:
         UNMAPPER.adopt(whole, buf)
+    return header, _field_views(whole, header)
+
+
+def read_batch(data) -> tuple[BatchHeader, dict[str, np.ndarray]]:
+    """(header, arrays) of a whole batch file held in memory (bytes, or a uint8 array), checked
+    like a mapped one; the arrays are views of ``data``. BatchFormatError when it is no batch."""
+    whole = np.frombuffer(data, dtype=np.uint8)
+    header = parse_header(whole, whole.size)
+    return header, _field_views(whole, header)
+
+
+def _field_views(whole: np.ndarray, header: BatchHeader) -> dict[str, np.ndarray]:
     arrays = {}
     for f in header["fields"]:
         start = f["offset"]
         arrays[f["name"]] = whole[start : start + f["nbytes"]].view(f["dtype"]).reshape(f["shape"])
-    return header, arrays
+    return arrays

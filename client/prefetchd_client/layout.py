@@ -148,50 +148,6 @@ def parse_batch_name(name: str) -> tuple[int, int, int] | None:
     return (int(m[1]), int(m[2]), int(m[3])) if m else None
 
 
-def parse_ranks(value) -> tuple[int, ...]:
-    """The ranks a daemon serves, sorted: ``"8-15"``, ``"0,2,5"``, ``"0-3,8-11"`` or a list of
-    integers. ValueError (saying what is accepted) for anything else, a rank past what a batch
-    name holds, or a rank given twice."""
-    if isinstance(value, str):
-        ranks = []
-        for part in value.split(","):
-            low, dash, high = part.strip().partition("-")
-            if not _is_number(low) or dash and not _is_number(high):
-                raise ValueError(f"expected a range A-B or a comma list of ranks (8-15, 0,2,5), got {value[:60]!r}")
-            low_rank, high_rank = int(low), int(high) if dash else int(low)
-            if max(low_rank, high_rank) > MAX_RANK:  # before range(): 0-10**12 would not fit in memory
-                raise ValueError(f"ranks are 0..{MAX_RANK}, got {part.strip()[:30]!r}")
-            if high_rank < low_rank:
-                raise ValueError(f"the range {part.strip()!r} runs backwards; write {high_rank}-{low_rank}")
-            ranks.extend(range(low_rank, high_rank + 1))
-    elif isinstance(value, list) and all(type(r) is int for r in value):
-        ranks = value
-    else:
-        raise ValueError(f"expected a range A-B, a comma list or a list of integers, got {value!r:.60}")
-    if not ranks:
-        raise ValueError("no ranks given")
-    if not all(0 <= r <= MAX_RANK for r in ranks):
-        raise ValueError(f"ranks are 0..{MAX_RANK}, got {ranks!r:.60}")
-    if len(set(ranks)) != len(ranks):
-        raise ValueError(f"a rank is given twice in {value!r:.60}")
-    return tuple(sorted(ranks))
-
-
-def _is_number(text: str) -> bool:
-    return text.isascii() and text.isdigit() and len(text) <= 8  # ASCII digits, and no 5,000 of them
-
-
-def format_ranks(ranks) -> str:
-    """``0-3,8``: sorted ranks as ``parse_ranks`` reads them, runs as ranges."""
-    runs: list[list[int]] = []
-    for r in sorted(ranks):
-        if runs and r == runs[-1][1] + 1:
-            runs[-1][1] = r
-        else:
-            runs.append([r, r])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-
-
 def parse_progress_name(name: str) -> int | None:
     m = _PROGRESS_NAME.match(name)
     return int(m[1]) if m else None

@@ -23,9 +23,10 @@ from . import batchfile, transport
 from .device import DeviceFeeder
 from .errors import AuthError, BatchFormatError, BatchTimeout, DaemonDied, JobNotRunning, PlanMismatch
 from .folders import open_job
-from .layout import MAX_EPOCH, JobPaths, format_ranks
+from .layout import MAX_EPOCH, JobPaths
 from .locks import daemon_alive, hold_trainer_lock, release_trainer_lock
 from .manifest import VersionMismatch, check_manifest, read_manifest, read_stopped
+from .ranks import format_ranks
 from .readahead import ReadAhead
 
 STATE_VERSION = 1

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 
 from .folders import read_regular_file
-from .layout import MANIFEST, MAX_RANK, MAX_STEP, STOPPED, JobPaths, parse_ranks, parse_tcp_endpoint
+from .layout import MANIFEST, MAX_RANK, MAX_STEP, STOPPED, JobPaths, parse_tcp_endpoint
+from .ranks import parse_ranks
 
 _MAX_MANIFEST_BYTES = 1 << 20
 # The manifest's own format. The daemon (package prefetchd) writes it and the client (package

@@ -1,0 +1,195 @@
+"""The Ray bridge: one local process, the Ray driver, that has batches made on a Ray cluster.
+
+The pool gives it one pipe per batch it may have in flight (--ray-workers); to the master each
+pipe is a worker slot that speaks the worker protocol (prefetchd.messages). A relay thread per
+pipe takes a Produce, runs prefetchd.raytask.make_batch as a Ray task, checks that what comes
+back is that batch of this plan (its header, plan digest, layout, size and CRC) and publishes it
+into the node's tmpfs as a local worker does: written to ``tmp/``, linked into ``batches/``.
+
+Ray stays out of the master: a driver that loses its cluster may be ended by Ray itself, and
+then only this process goes. When the cluster can no longer run the tasks (its head gone, no
+alive node with the resources, a node that decodes otherwise), the bridge says why
+(ExecutorLost) and exits; the pool then goes on with its local workers, or stops the daemon.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import threading
+import time
+import traceback
+
+from prefetchd_client.batchfile import BatchFormatError, content_digest, read_batch, write_batch_file
+from prefetchd_client.layout import batch_name
+
+from . import raycluster, raytask
+from .messages import BootFailed, Done, ExecutorLost, Failed, Produce, Ready, decode
+from .producer import BatchProducer, ProducerSpec, SampleProgress, why_not_this_batch
+from .worker import _die_with_the_master, _send, _send_heartbeats
+
+_NODE_CHECK_S = 2.0  # how often the bridge asks Ray whether a node can still run the tasks
+_LOST_AFTER_S = 10.0  # how long the cluster may be unusable before the bridge gives it up
+_TASK_SLACK_S = 60.0  # added to a whole batch's time before a task is cancelled as wedged
+
+
+def bridge_main(spec_json: str, conns: list, nice: int, options: dict) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the master alone decides when it stops
+    _die_with_the_master()
+    os.nice(nice)
+    parent = os.getppid()
+    progress = [SampleProgress() for _ in conns]
+    for conn, p in zip(conns, progress):
+        threading.Thread(target=_send_heartbeats, args=(conn, p), daemon=True, name="heartbeat").start()
+    try:
+        bridge = Bridge(spec_json, conns, options)
+    except raycluster.RayBootError as exc:
+        error = str(exc)
+    except Exception:
+        error = traceback.format_exc(limit=-4)
+    else:
+        error = None
+    if error is not None:
+        for conn in conns:
+            _send(conn, BootFailed(error=error))
+        return
+    ready = Ready(fields=[f.to_json() for f in bridge.local.layout.fields])
+    for conn in conns:
+        _send(conn, ready)
+    threading.Thread(target=bridge.watch_cluster, daemon=True, name="cluster-check").start()
+    relays = [
+        threading.Thread(target=bridge.relay, args=(conn, p, parent), name=f"relay-{i}")
+        for i, (conn, p) in enumerate(zip(conns, progress))
+    ]
+    for t in relays:
+        t.start()
+    for t in relays:
+        t.join()
+
+
+class Bridge:
+    def __init__(self, spec_json: str, conns: list, options: dict):
+        import ray
+
+        self.ray, self.conns, self.spec_json = ray, conns, spec_json
+        self.spec = ProducerSpec.from_json(json.loads(spec_json))
+        self.local = BatchProducer(self.spec)  # this node's layout, and its fingerprint to match
+        self.expected = self.local.fingerprint()
+        self.address = options["address"]
+        self.demand = {"CPU": 1.0, **options["resources"]}
+        self.timeout_s = options["worker_timeout"]
+        self.deadline_s = options["worker_timeout"] * self.local.plan.batch_size + _TASK_SLACK_S
+        raycluster.connect(ray, self.address, options)
+        index = self.local.index
+        self.index_ref = ray.put((index.paths, index.offsets, index.labels))
+        # One CPU and the custom resources each; no retries by Ray: a failed batch is the master's to reissue.
+        as_task = ray.remote(num_cpus=1, resources=options["resources"], max_retries=0)
+        self.make, self.fingerprint = as_task(raytask.make_batch), as_task(raytask.fingerprint)
+        args = (spec_json, self.index_ref)
+        raycluster.check_every_node(ray, self.fingerprint, self.demand, self.address, self.expected, args)
+
+    # -- joining ---------------------------------------------------------------------------
+
+    # -- serving ---------------------------------------------------------------------------
+
+    def relay(self, conn, progress: SampleProgress, parent: int) -> None:
+        """Serve one slot: each Produce becomes a Ray task; its result, checked, a batch file."""
+        while True:
+            try:
+                if not conn.poll(1.0):
+                    if os.getppid() != parent:  # the master died: nobody will collect our work
+                        return
+                    continue
+                task = decode(conn.recv_bytes())
+            except (EOFError, OSError):
+                return
+            if not isinstance(task, Produce):  # Stop
+                return
+            _send(conn, self._make(task, progress))
+
+    def _make(self, task: Produce, progress: SampleProgress) -> Done | Failed:
+        e, k, r = task.epoch, task.step, task.rank
+        ref = self.make.remote(self.spec_json, self.index_ref, self.expected, self.timeout_s, e, k, r)
+        deadline = time.monotonic() + self.deadline_s
+        while not self.ray.wait([ref], timeout=1.0)[0]:
+            # Waiting on Ray is not a hang of this process: the task's own watchdog (raytask) ends
+            # a Ray worker that finishes no sample, and the deadline catches a wedged one.
+            progress.finished += 1
+            if time.monotonic() > deadline:
+                self.ray.cancel(ref, force=True)
+                return Failed(e, k, r, f"the Ray task made no batch in {self.deadline_s:.0f} s", False, False)
+        try:
+            report_json, data = self.ray.get(ref, timeout=raycluster.CALL_TIMEOUT_S)
+            report = json.loads(report_json)
+        except Exception as exc:  # the Ray worker died (killed, OOM, its watchdog), or the cluster went
+            return Failed(e, k, r, f"on Ray: {type(exc).__name__}: {raycluster.first_line(exc)}", False, False)
+        if "mismatch" in report:
+            there = report["mismatch"]
+            self.lose(raycluster.mismatch_text(there.get("host", "?"), raytask.decoder_facts(), there))
+        if not report.get("ok"):
+            return Failed(e, k, r, str(report.get("error")), bool(report.get("sample")), False)
+        why = self._not_this_batch(data, (e, k, r))
+        if why is not None:
+            return Failed(e, k, r, f"a batch from Ray is not e{e} s{k} r{r} of this job ({why})", False, False)
+        try:
+            published = self._publish(data, e, k, r)
+        except OSError as exc:
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)  # the master backs off until space returns
+            return Failed(e, k, r, str(exc) if full else traceback.format_exc(limit=-4), False, full)
+        return Done(e, k, r, published, report["per_source"], report["replaced"], report["longest_bad_run"])
+
+    def _not_this_batch(self, data, position: tuple[int, int, int]) -> str | None:
+        """Why ``data`` is not that batch of this plan, whole; None when it is."""
+        try:
+            header, arrays = read_batch(data)
+            why = why_not_this_batch(header, len(data), position, self.local.layout, self.spec)
+            if why is None and header["meta"].get("crc32") != content_digest(arrays, self.local.layout.fields):
+                why = "its content does not match its CRC: damaged on the way"
+            return why
+        except BatchFormatError as exc:
+            return str(exc)
+
+    def _publish(self, data, e: int, k: int, r: int) -> bool:
+        """As a local worker publishes: a whole file in tmp/, then a link that fails if the batch is there."""
+        paths = self.local.paths
+        tmp = paths.tmp_dir / f"{batch_name(e, k, r)}.{os.getpid()}"
+        try:
+            write_batch_file(tmp, data)
+            try:
+                os.link(tmp, paths.batch(e, k, r))
+                return True
+            except FileExistsError:
+                return False
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+
+    # -- losing the cluster ----------------------------------------------------------------
+
+    def watch_cluster(self) -> None:
+        """Give the cluster up once no node could run a task for _LOST_AFTER_S, or it stops answering."""
+        unusable_since = None
+        while True:
+            time.sleep(_NODE_CHECK_S)
+            try:
+                usable = raycluster.usable_nodes(self.ray, self.demand)
+                why = None if usable else f"no alive Ray node has {raycluster.resources_text(self.demand)}"
+            except Exception as exc:
+                why = f"the Ray cluster does not answer ({type(exc).__name__}: {raycluster.first_line(exc)})"
+            if why is None:
+                unusable_since = None
+                continue
+            unusable_since = unusable_since or time.monotonic()
+            if time.monotonic() - unusable_since >= _LOST_AFTER_S:
+                self.lose(why)
+
+    def lose(self, why: str) -> None:
+        """Tell the master the cluster is gone, and end this process (its tasks end with it)."""
+        try:
+            _send(self.conns[0], ExecutorLost(why=why[:2000]))
+        finally:
+            os._exit(0)

@@ -1,0 +1,129 @@
+"""What runs on a Ray node: make one batch in memory, for the bridge (prefetchd.raybridge).
+
+Imported by Ray's worker processes by name (prefetchd must be installed on every node), and
+free of Ray itself: the bridge wraps these functions as tasks. Arguments and results are
+plain data: the spec as JSON text, the index as three numpy arrays, integers; a result is a
+JSON report and the batch file's bytes, which the bridge checks before anything publishes them.
+
+A Ray worker process builds its BatchProducer once per plan and, before its first batch,
+checks that it decodes and augments as the trainer's node does (``fingerprint``): a node with
+another Pillow, libjpeg-turbo or simplejpeg build, or without the data at the same path, is
+refused, never mixed in. Liveness is progress here too: a watchdog ends the process when a
+task finishes no sample within --worker-timeout, so Ray reports the task failed and the
+master reissues the batch, as it would for a hung local worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import threading
+import time
+import traceback
+
+import numpy as np
+
+from . import __version__
+from .producer import BatchProducer, ProducerSpec, SampleError
+from .sources import SampleIndex
+
+_HUNG_EXIT = 75  # what the watchdog exits with: Ray then fails the task and the master reissues it
+_producers: dict[str, BatchProducer] = {}  # per Ray worker process: the job's producer, by plan digest
+_watchdog_lock = threading.Lock()
+
+
+def decoder_facts() -> dict:
+    """What decides a decoded sample's bytes on this machine, for the message that refuses it."""
+    from PIL import Image, features
+
+    facts = {
+        "host": socket.gethostname(),
+        "python": platform.python_version(),
+        "prefetchd": __version__,
+        "numpy": np.__version__,
+        "pillow": Image.__version__,
+        "libjpeg_turbo": features.version("libjpeg_turbo"),
+    }
+    try:
+        import simplejpeg
+
+        facts["simplejpeg"] = simplejpeg.__version__
+    except ImportError:
+        pass
+    return facts
+
+
+def fingerprint(spec_json: str, index: tuple) -> tuple[str, dict]:
+    """This node's fingerprint of the job's first samples, and its decoder facts."""
+    return _producer(spec_json, index).fingerprint(), decoder_facts()
+
+
+def make_batch(spec_json: str, index: tuple, expected: str, timeout_s: float, epoch: int, step: int, rank: int):
+    """Batch (epoch, step, rank): (report as JSON text, the file's bytes as a uint8 array).
+
+    A report ``{"ok": true, "per_source", "replaced", "longest_bad_run"}``, or ``{"ok": false,
+    "error", "sample"}`` (a sample unreadable under on_error = "fail", or any other failure),
+    or ``{"ok": false, "mismatch": {...}}`` when this node decodes otherwise than the trainer's.
+    """
+    empty = np.zeros(0, np.uint8)
+    try:
+        producer = _producer(spec_json, index)
+        if getattr(producer, "checked_against", None) != expected:
+            mine = producer.fingerprint()
+            if mine != expected:
+                return json.dumps({"ok": False, "mismatch": {"fingerprint": mine, **decoder_facts()}}), empty
+            producer.checked_against = expected
+        _watch(producer, timeout_s)
+        data, report = producer.make_in_memory(epoch, step, rank)
+    except SampleError as exc:
+        return json.dumps({"ok": False, "sample": True, "error": str(exc)}), empty
+    except Exception:
+        return json.dumps({"ok": False, "sample": False, "error": traceback.format_exc(limit=-4)}), empty
+    finally:
+        _watching.clear()
+    summary = {
+        "ok": True,
+        "per_source": report.per_source,
+        "replaced": report.replaced,
+        "longest_bad_run": report.longest_bad_run,
+    }
+    return json.dumps(summary), np.frombuffer(data, np.uint8)
+
+
+def _producer(spec_json: str, index: tuple) -> BatchProducer:
+    spec = ProducerSpec.from_json(json.loads(spec_json))
+    if spec.plan_digest not in _producers:
+        _producers.clear()  # one job at a time per process: another plan's is dropped
+        _producers[spec.plan_digest] = BatchProducer(spec, index=SampleIndex(*(np.asarray(a) for a in index)))
+    return _producers[spec.plan_digest]
+
+
+_watching: dict = {}  # while a batch is made: {"producer", "timeout_s"}
+
+
+def _watch(producer: BatchProducer, timeout_s: float) -> None:
+    """Watch this batch's sample count; a thread started once per process does the watching."""
+    _watching.update(producer=producer, timeout_s=timeout_s)
+    with _watchdog_lock:
+        if not any(t.name == "prefetchd-watchdog" for t in threading.enumerate()):
+            threading.Thread(target=_watchdog, daemon=True, name="prefetchd-watchdog").start()
+
+
+def _watchdog() -> None:
+    last, since = None, time.monotonic()
+    while True:
+        time.sleep(1.0)
+        producer, timeout_s = _watching.get("producer"), _watching.get("timeout_s")
+        now = time.monotonic()
+        if producer is None:
+            last, since = None, now
+            continue
+        count = (id(producer), producer.progress.finished)
+        if count != last:
+            last, since = count, now
+        elif now - since > timeout_s:
+            current = producer.progress.current
+            print(f"prefetchd: no sample finished for {timeout_s:g} s (at {current}); exiting", flush=True)
+            os._exit(_HUNG_EXIT)
