@@ -242,6 +242,11 @@ def _print_status_fields(s: dict) -> None:
         f"{s['totals']['bad_samples']} bad samples replaced",
         highlight=False,
     )
+    ex = s.get("executor") or {}
+    if ex.get("kind") == "ray":  # the cluster's state, and why it was given up
+        state = f"lost ({ex['why']}); local workers only" if ex["state"] == "lost" else ex["state"]
+        shown = f"  ray at {ex['address']}: {state}; {ex['in_flight']}/{ex['slots']} in flight"
+        out.print(escape(shown), highlight=False)  # a Ray error's text may hold [brackets]
     refused = s["totals"].get("refused") or {}
     if refused:  # peer input dropped: a buggy or hostile trainer, a planted file (see the log)
         shown = ", ".join(f"{n} {kind.replace('_', ' ')}{'s' if n != 1 else ''}" for kind, n in sorted(refused.items()))

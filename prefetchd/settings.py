@@ -121,7 +121,7 @@ def _is_endpoint(text: str) -> bool:
     return True
 
 
-_MAX_RAY_WORKERS = 4096  # a pipe and a thread each in the bridge
+_MAX_RAY_WORKERS = 1024  # two pipe ends, two threads each in the bridge, a descriptor in the master
 
 
 def parse_resources(value) -> dict[str, float]:
@@ -236,8 +236,8 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "daemon", "ray_workers", (int,),
-        help="with --executor ray: batches in flight on the cluster at once, one task and one CPU each; about the "
-        "cluster's CPUs",
+        help="with --executor ray: batches in flight on the cluster at once, one task and one CPU each; about twice "
+        "the CPUs it may use, so none waits while a finished batch is written here",
         default=8,
         rules=(_at_least(1), (lambda v: v <= _MAX_RAY_WORKERS, f"at most {_MAX_RAY_WORKERS}")),
     ),

@@ -20,6 +20,8 @@ default collate, num_workers=N, shuffle, no pinning) with persistent_workers Tru
   trainer restart  a fresh trainer process to its first batch (scripts/bench_restart.py)
   client cost      map + header parse + tensors for a 256 x 224 x 224 x 3 batch vs np.copyto of it
   daemon cost      CPU of the daemon's master per 1,000 batches, of its workers per image
+  ray              --executor ray on a Ray cluster of N CPUs on this machine vs N local workers:
+                   images/s and start-to-first-batch (scripts/bench_ray.py; needs prefetchd[ray])
 
 It prints the table, and writes into --out: bench.json (every raw figure), bench.md (the
 table in Markdown) and bench_timeline.png (prefetchd's buffer fill and every system's per-step waits; matplotlib,
@@ -52,7 +54,8 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import bench_restart  # a sibling in scripts/: python puts this file's folder first on sys.path
+import bench_ray  # siblings in scripts/: python puts this file's folder first on sys.path
+import bench_restart
 import numpy as np
 import PIL
 import psutil
@@ -979,6 +982,23 @@ def summarize(results: dict, s: Settings) -> list[dict]:
         None,
         dc,
     )
+    ray_runs = results.get("ray", {"why": "not measured"})
+    if "why" in ray_runs:
+        why = f"not run: {ray_runs['why']}"
+        row("ray", "--executor ray vs local workers", why, "-", "", ">= 0.90x", None, ray_runs)
+    else:
+        r = bench_ray.summary(ray_runs)
+        row(
+            "ray",
+            f"--executor ray ({s.workers} Ray CPUs, no local workers) vs {s.workers} local workers, rrc: img/s "
+            "[start to first batch]",
+            f"{r['ray']['images_per_s']:.0f} [{r['ray']['first_batch_s']:.2f} s]",
+            f"local {r['local']['images_per_s']:.0f} [{r['local']['first_batch_s']:.2f} s]",
+            f"{r['ratio']:.2f}x",
+            ">= 0.90x",
+            r["ratio"] >= 0.90,
+            r,
+        )
     return rows
 
 
@@ -1101,6 +1121,9 @@ def measure_all(run: Run) -> dict:
     measure_throughput(run, results)
     measure_trainers(run, results)
     measure_restart(run, results)
+    results["ray"] = bench_ray.measure_ray(
+        run.data, run.root, workers=s.workers, repeats=s.repeats, batch=s.batch_size, epochs=s.epochs, buffer=s.buffer
+    )
     results["cleanup"] = {"root": str(run.root), "data": str(run.data)}
     results["seconds"] = time.perf_counter() - started
     return results

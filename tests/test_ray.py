@@ -101,8 +101,21 @@ def test_ray_batches_equal_local_ones_and_resume_exactly(cluster, job_root, jpeg
     assert status["executor"]["local_workers"] == 0  # every batch below is made on the "prep" node
     assert streams("job", 2) == reference, "batches made on Ray differ from local ones"
 
-    # Resume grid: stop mid-epoch, at the epoch's end and past it; restart the daemon between.
-    for stop_after in (1, 6, 7):
+    # Stop mid-epoch, restart the daemon, resume: exact (the grid is in the long tier).
+    assert_resumes(config, cluster, reference, stop_points=(4,))
+
+
+@pytest.mark.long
+def test_ray_resume_grid(cluster, job_root, jpeg_folder, tmp_path):
+    config = write_config(tmp_path, jpeg_folder, world_size=2, batch_size=4, buffer="2M")
+    start_job(config, *ray_flags(cluster))
+    reference = streams("job", 2)
+    assert_resumes(config, cluster, reference, stop_points=(1, 6, 7, 11))  # mid-epoch, its end, past it
+
+
+def assert_resumes(config, cluster, reference: list, stop_points: tuple) -> None:
+    """Read to each stop point, restart the daemon on Ray, resume from the state: the reference stream."""
+    for stop_after in stop_points:
         for rank in range(2):
             first, state = read("job", rank, 2, stop_after=stop_after)
             assert cli("stop", "job").returncode == 0
@@ -159,7 +172,24 @@ def test_a_node_that_decodes_otherwise_is_refused_when_it_joins(cluster, job_roo
     assert not (job_root / "skewed" / "batches").exists(), "a refused start leaves no buffer behind"
 
 
-def test_a_lost_cluster_degrades_to_local_workers_or_stops_without_them(pipelines_dir, job_root, jpeg_folder, tmp_path):
+def test_a_lost_cluster_stops_a_daemon_without_local_workers(pipelines_dir, job_root, jpeg_folder, tmp_path):
+    config = pipeline_config(tmp_path, jpeg_folder, "slow")
+    cluster = _start_cluster(pipelines_dir)  # its own: this test takes its node away
+    try:
+        paths = start_job(config, *ray_flags(cluster, workers=0))
+        cluster.remove_node(cluster.list_all_nodes()[1])
+        wait_until(lambda: paths.stopped.exists(), timeout_s=90, what="the daemon to stop")
+        stopped = json.loads(paths.stopped.read_text())
+        assert stopped["exit_code"] == 10 and "Ray cluster is lost" in stopped["message"], stopped
+        assert "no alive Ray node has CPU=1, prep=1" in stopped["message"], stopped
+        with pytest.raises(DaemonDied, match="Ray cluster is lost"):
+            PrefetchLoader("slow", rank=0, world_size=1, timeout=10)
+    finally:
+        cluster.shutdown()
+
+
+@pytest.mark.long
+def test_a_lost_cluster_degrades_to_local_workers_and_loses_no_batch(pipelines_dir, job_root, jpeg_folder, tmp_path):
     config = pipeline_config(tmp_path, jpeg_folder, "slow")
     start_job(config, "--workers", "1")
     reference = streams("slow", 1, epochs=1)[0]
@@ -167,7 +197,6 @@ def test_a_lost_cluster_degrades_to_local_workers_or_stops_without_them(pipeline
 
     cluster = _start_cluster(pipelines_dir)  # its own: this test takes its node away
     try:
-        # With a local worker: the prep node goes, the daemon goes on locally, status says why.
         paths = start_job(config, *ray_flags(cluster, workers=1))
         loader = PrefetchLoader("slow", rank=0, world_size=1, as_tensors=False, timeout=120)
         seen = []
@@ -182,16 +211,7 @@ def test_a_lost_cluster_degrades_to_local_workers_or_stops_without_them(pipeline
         )
         assert "no alive Ray node has CPU=1, prep=1" in executor["why"], executor
         assert [w["kind"] for w in job_status(paths)["workers"]["each"]] == ["local"]  # the bridge is gone
-        assert cli("stop", "slow").returncode == 0
-
-        # Without local workers: the daemon stops, says why, with EXECUTOR_LOST (10).
-        cluster.add_node(num_cpus=2, resources={"prep": 2}, **_NODE)
-        paths = start_job(config, *ray_flags(cluster, workers=0))
-        cluster.remove_node(cluster.list_all_nodes()[1])
-        wait_until(lambda: paths.stopped.exists(), timeout_s=90, what="the daemon to stop")
-        stopped = json.loads(paths.stopped.read_text())
-        assert stopped["exit_code"] == 10 and "Ray cluster is lost" in stopped["message"], stopped
-        with pytest.raises(DaemonDied, match="Ray cluster is lost"):
-            PrefetchLoader("slow", rank=0, world_size=1, timeout=10)
+        shown = cli("status", "slow")
+        assert "ray at" in shown.stdout and "lost (no alive Ray node" in shown.stdout, shown.stdout
     finally:
         cluster.shutdown()
