@@ -26,7 +26,7 @@ from prefetchd_client.batchfile import BatchFormatError, read_batch, write_batch
 from prefetchd_client.layout import batch_name
 
 from . import raycluster, raytask
-from .messages import BootFailed, Done, ExecutorLost, Failed, Produce, Ready, decode
+from .messages import BootFailed, Done, ExecutorLost, Failed, Produce, Ready, decode, encode
 from .producer import BatchProducer, ProducerSpec, SampleProgress, why_not_this_batch
 from .worker import _die_with_the_master, _send, _send_heartbeats
 
@@ -91,8 +91,6 @@ class Bridge:
         args = (spec_json, self.index_ref)
         raycluster.check_every_node(ray, self.fingerprint, self.demand, self.address, self.expected, args)
 
-    # -- joining ---------------------------------------------------------------------------
-
     # -- serving ---------------------------------------------------------------------------
 
     def relay(self, conn, progress: SampleProgress, parent: int) -> None:
@@ -108,7 +106,12 @@ class Bridge:
                 return
             if not isinstance(task, Produce):  # Stop
                 return
-            _send(conn, self._make(task, progress))
+            try:
+                result = self._make(task, progress)
+                decode(encode(result))  # a report a Ray node got wrong fails this batch, not the bridge's pipe
+            except Exception:
+                result = Failed(task.epoch, task.step, task.rank, traceback.format_exc(limit=-4), False, False)
+            _send(conn, result)
 
     def _make(self, task: Produce, progress: SampleProgress) -> Done | Failed:
         e, k, r = task.epoch, task.step, task.rank

@@ -19,7 +19,7 @@ import pytest
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.errors import DaemonDied
 
-from .conftest import cli, start_job, wait_until, write_config
+from .conftest import cli, daemon_family, start_job, wait_pids_gone, wait_until, write_config
 from .helpers import job_status
 from .test_resume import digest, read
 
@@ -122,6 +122,39 @@ def assert_resumes(config, cluster, reference: list, stop_points: tuple) -> None
             start_job(config, *ray_flags(cluster))
             rest, _ = read("job", rank, 2, state=state)
             assert first + rest == reference[rank], f"rank {rank}: resume after {stop_after} differs"
+
+
+def test_batches_in_flight_on_ray_count_against_the_bound(cluster, job_root, jpeg_folder, tmp_path):
+    config = write_config(tmp_path, jpeg_folder, world_size=1, batch_size=4, buffer="1M")
+    paths = start_job(config, *ray_flags(cluster))
+    reference = streams("job", 1)[0]
+    batch_bytes = job_status(paths)["buffer"]["batch_bytes"]
+    assert cli("stop", "job").returncode == 0
+    # Room for 5 batches, and 8 may be in flight on Ray: the bound, not the slots, must hold them back.
+    bound = 5 * batch_bytes
+    paths = start_job(config, *ray_flags(cluster, ray_workers=8), "--buffer", str(bound))
+    seen, loader = [], PrefetchLoader("job", rank=0, world_size=1, as_tensors=False, timeout=60)
+    for epoch in range(2):
+        for step, batch in enumerate(loader):
+            seen.append((epoch, step, digest(batch)))
+            buffer = job_status(paths)["buffer"]
+            assert buffer["used_bytes"] <= bound and buffer["files_bytes"] <= bound, buffer
+    loader.close()
+    assert seen == reference
+    assert job_status(paths)["buffer"]["peak_bytes"] <= bound
+
+
+def test_a_master_killed_while_ray_serves_restarts_warm(cluster, job_root, jpeg_folder, tmp_path):
+    config = write_config(tmp_path, jpeg_folder, world_size=1, batch_size=4, buffer="1M")
+    paths = start_job(config, *ray_flags(cluster))
+    reference = streams("job", 1)[0]
+    wait_until(lambda: job_status(paths)["ranks"][0]["ready"] >= 4, timeout_s=60, what="a warm buffer")
+    family = daemon_family(paths)  # the master and its bridge
+    os.kill(family[0], signal.SIGKILL)
+    wait_pids_gone(family)  # the bridge dies with its master (PR_SET_PDEATHSIG)
+    start_job(config, *ray_flags(cluster))
+    assert "kept" in paths.log.read_text(), "the restarted daemon did not keep the published batches"
+    assert streams("job", 1)[0] == reference
 
 
 def _ray_task_pids(name: str) -> list[int]:
