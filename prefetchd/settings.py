@@ -138,6 +138,9 @@ def parse_resources(value) -> dict[str, float]:
     for name, amount in value.items():
         if isinstance(amount, bool) or not isinstance(amount, int | float) or not 0 < amount < 2**32:
             raise ValueError(f"the amount of {str(name)[:40]!r} must be a positive number, got {amount!r:.40}")
+        if amount > 1 and amount != int(amount) or amount < 1e-4:  # what Ray accepts
+            raise ValueError(f"the amount of {str(name)[:40]!r} must be a whole number or a fraction of 1 "
+                             f"(at least 0.0001), got {amount!r:.40}")
         if not name or not name.isprintable() or name in ("CPU", "GPU", "memory"):
             raise ValueError(f"{name[:40]!r} is not a custom resource name (each task takes 1 CPU already)")
         resources[name] = float(amount)

@@ -26,7 +26,8 @@ from .test_resume import digest, read
 ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
+# One worker runs this module (--dist loadgroup, pyproject.toml): one cluster serves its tests.
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("ray")]
 _STORE = 80 << 20  # each node's object store: small, and on /tmp, off the tmpfs the buffer uses
 _NODE = {"object_store_memory": _STORE, "plasma_directory": "/tmp"}
 
@@ -89,7 +90,7 @@ def streams(job: str, world: int, epochs: int = 2) -> list[list]:
     return [read(job, rank, world, epochs=epochs)[0] for rank in range(world)]
 
 
-def test_ray_batches_equal_local_ones_and_resume_exactly(cluster, job_root, jpeg_folder, tmp_path):
+def test_ray_batches_equal_local_ones(cluster, job_root, jpeg_folder, tmp_path):
     config = write_config(tmp_path, jpeg_folder, world_size=2, batch_size=4, buffer="2M")
     start_job(config, "--workers", "1")
     reference = streams("job", 2)
@@ -100,9 +101,8 @@ def test_ray_batches_equal_local_ones_and_resume_exactly(cluster, job_root, jpeg
     assert status["executor"]["kind"] == "ray" and status["executor"]["state"] == "connected", status["executor"]
     assert status["executor"]["local_workers"] == 0  # every batch below is made on the "prep" node
     assert streams("job", 2) == reference, "batches made on Ray differ from local ones"
-
-    # Stop mid-epoch, restart the daemon, resume: exact (the grid is in the long tier).
-    assert_resumes(config, cluster, reference, stop_points=(4,))
+    buffer = job_status(paths)["buffer"]
+    assert buffer["peak_bytes"] <= buffer["bound_bytes"]
 
 
 @pytest.mark.long

@@ -57,10 +57,7 @@ def test_a_batch_that_is_not_the_one_asked_for_is_refused(job):
     assert not_this_batch(longer, (0, 1, 0), remote.layout, spec) is not None
     garbage = np.random.default_rng(0).integers(0, 256, len(data), np.uint8).tobytes()
     assert not_this_batch(garbage, (0, 1, 0), remote.layout, spec) is not None
-
-
-def test_the_fingerprint_changes_when_the_pixels_would(job):
-    _, spec, remote = job
-    assert remote.fingerprint() == remote.fingerprint()  # deterministic: the plan's first samples
+    # The decoder fingerprint a Ray node must match: deterministic, and moved by what moves pixels.
+    assert remote.fingerprint() == remote.fingerprint()
     other = BatchProducer(dataclasses.replace(spec, transforms=[{"op": "random_resized_crop", "size": 16}]))
     assert other.fingerprint() != remote.fingerprint()

@@ -12,9 +12,11 @@ import textwrap
 
 import pytest
 
+from prefetchd.settings import parse_resources
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.errors import PlanMismatch
 from prefetchd_client.layout import JobPaths
+from prefetchd_client.ranks import format_ranks, parse_ranks
 
 from .conftest import cli, start_job, write_config
 from .helpers import job_status
@@ -145,3 +147,40 @@ def test_bad_ranks_are_refused_with_the_flag_named(ranks, why, job_root, jpeg_fo
     assert "--ranks" in result.stderr and why in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
     assert not any(job_root.iterdir()), "a refused start leaves nothing behind"
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [("8-15", tuple(range(8, 16))), ("0,2,5", (0, 2, 5)), ("0-3, 8-9", (0, 1, 2, 3, 8, 9)), ([3, 1], (1, 3))],
+)
+def test_ranks_forms(value, expected):
+    assert parse_ranks(value) == expected
+    assert parse_ranks(format_ranks(expected)) == expected
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["", ",", "1,,2", "0--3", "-1", "3-1", "1,1", "²", "٣", "0-" + "9" * 5000, [True], [1.0], [[1]], [], {"a": 1}],
+)
+def test_ranks_that_are_not_ranks_are_refused(value):
+    with pytest.raises(ValueError):
+        parse_ranks(value)
+
+
+@pytest.mark.parametrize(
+    "value, why",
+    [
+        ("prep", "NAME=AMOUNT"),
+        ("=1", "NAME=AMOUNT"),
+        ("prep=x", "not a number"),
+        ("prep=nan", "positive number"),
+        ("prep=-1", "positive number"),
+        ("prep=1.5", "whole number"),
+        ("CPU=1", "not a custom resource"),
+        ({"prep": {"nested": 1}}, "positive number"),
+        ({"prep": True}, "positive number"),
+    ],
+)
+def test_ray_resources_ray_would_refuse_are_refused_first(value, why):
+    with pytest.raises(ValueError, match=why):
+        parse_resources(value)
