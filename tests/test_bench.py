@@ -54,9 +54,7 @@ def test_quick_bench_reports_every_row_and_cleans_up(tmp_path):
     for kind in ("steady", "bursty"):
         assert report[kind]["prefetchd"][0]["timeline"]["buffer"], "no buffer samples for the timeline"
     assert set(report["restart"]) == {"prefetchd (warm)", "DataLoader fork"}
-    for system in ("local", "ray"):  # the dev extra has Ray: its row is measured, on a cluster of this machine
-        (run,) = report["ray"][system]
-        assert run["images_per_s"] > 0 and run["first_batch_s"] > 0, run
+    assert "--quick" in rows["ray"]["prefetchd"]  # the Ray row needs a cluster: measured by the full run only
 
     if importlib.util.find_spec("matplotlib") is not None:
         assert (out / "bench_timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
