@@ -48,8 +48,6 @@ def skewed(source, rng):
 
 
 def _start_cluster(pipelines_dir) -> Cluster:
-    # Ray's workers inherit the environment of the node that starts them: the callables import.
-    os.environ["PYTHONPATH"] = f"{pipelines_dir}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "resources": {"trainer": 1}, **_NODE})
     cluster.add_node(num_cpus=2, resources={"prep": 2}, **_NODE)
     return cluster
@@ -59,7 +57,15 @@ def _start_cluster(pipelines_dir) -> Cluster:
 def pipelines_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ray-pipelines")
     (folder / "ray_pipelines.py").write_text(textwrap.dedent(_PIPELINES))
-    return folder
+    # Daemons (`start`) and Ray's workers (they inherit the environment of the node that starts
+    # them) import the callables from here.
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = f"{folder}{os.pathsep}{before or ''}"
+    yield folder
+    if before is None:
+        del os.environ["PYTHONPATH"]
+    else:
+        os.environ["PYTHONPATH"] = before
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +90,19 @@ def pipeline_config(tmp_path, data, name: str, world_size: int = 1):
         f'[[source]]\nkind = "image_folder"\nroot = "{data}"\n[pipeline]\ncallable = "ray_pipelines:{name}"\n'
     )
     return config
+
+
+def local_reference(config, job: str) -> list:
+    """The epoch a local worker makes: what every batch from Ray must equal."""
+    start_job(config, "--workers", "1")
+    reference = streams(job, 1, epochs=1)[0]
+    assert cli("stop", job).returncode == 0
+    return reference
+
+
+def ray_lost(paths) -> dict | None:
+    executor = job_status(paths)["executor"]
+    return executor if executor["state"] == "lost" else None
 
 
 def streams(job: str, world: int, epochs: int = 2) -> list[list]:
@@ -224,9 +243,7 @@ def test_a_lost_cluster_stops_a_daemon_without_local_workers(pipelines_dir, job_
 @pytest.mark.long
 def test_a_lost_cluster_degrades_to_local_workers_and_loses_no_batch(pipelines_dir, job_root, jpeg_folder, tmp_path):
     config = pipeline_config(tmp_path, jpeg_folder, "slow")
-    start_job(config, "--workers", "1")
-    reference = streams("slow", 1, epochs=1)[0]
-    assert cli("stop", "slow").returncode == 0
+    reference = local_reference(config, "slow")
 
     cluster = _start_cluster(pipelines_dir)  # its own: this test takes its node away
     try:
@@ -239,12 +256,28 @@ def test_a_lost_cluster_degrades_to_local_workers_and_loses_no_batch(pipelines_d
                 cluster.remove_node(cluster.list_all_nodes()[1])
         loader.close()
         assert seen == reference
-        executor = wait_until(
-            lambda: (e := job_status(paths)["executor"])["state"] == "lost" and e, timeout_s=60, what="Ray lost"
-        )
+        executor = wait_until(lambda: ray_lost(paths), timeout_s=60, what="Ray lost")
         assert "no alive Ray node has CPU=1, prep=1" in executor["why"], executor
         assert [w["kind"] for w in job_status(paths)["workers"]["each"]] == ["local"]  # the bridge is gone
         shown = cli("status", "slow")
         assert "ray at" in shown.stdout and "lost (no alive Ray node" in shown.stdout, shown.stdout
+    finally:
+        cluster.shutdown()
+
+
+@pytest.mark.long
+def test_a_node_that_joins_later_decoding_otherwise_is_never_mixed_in(pipelines_dir, job_root, jpeg_folder, tmp_path):
+    config = pipeline_config(tmp_path, jpeg_folder, "skewed")
+    reference = local_reference(config, "skewed")
+
+    cluster = _start_cluster(pipelines_dir)  # its own: its good node is taken away
+    try:
+        paths = start_job(config, *ray_flags(cluster, workers=1))
+        good = cluster.list_all_nodes()[1]
+        cluster.add_node(num_cpus=2, resources={"prep": 2}, env_vars={"PREFETCHD_TEST_SKEW": "1"}, **_NODE)
+        cluster.remove_node(good)  # from now on, tasks can only run on the node that decodes otherwise
+        assert streams("skewed", 1, epochs=1)[0] == reference, "a batch of the skewed node was published"
+        executor = wait_until(lambda: ray_lost(paths), timeout_s=60, what="Ray lost")
+        assert "into other bytes than this node" in executor["why"], executor
     finally:
         cluster.shutdown()
