@@ -47,14 +47,17 @@ def bridge_main(spec_json: str, conns: list, nice: int, options: dict) -> None:
         bridge = Bridge(spec_json, conns, options)
     except raycluster.RayBootError as exc:
         error = str(exc)
-    except Exception:
-        error = traceback.format_exc(limit=-4)
+    except Exception as exc:  # the log gets the traceback; the start's message, its last line, says what failed
+        error = (
+            f"{traceback.format_exc(limit=-4)}\nRay failed while the bridge connected and checked the nodes: "
+            f"{type(exc).__name__}: {raycluster.first_line(exc)}"
+        )
     else:
         error = None
     if error is not None:
         for conn in conns:
             _send(conn, BootFailed(error=error))
-        return
+        _leave_ray()
     ready = Ready(fields=[f.to_json() for f in bridge.local.layout.fields])
     for conn in conns:
         _send(conn, ready)
@@ -69,6 +72,48 @@ def bridge_main(spec_json: str, conns: list, nice: int, options: dict) -> None:
         t.join()
 
 
+def _leave_ray() -> None:
+    """End this process after a failed boot: a private instance (--ray-address local) shut down
+    first, within a deadline; a ray.init still retrying in its thread does not hold the exit."""
+    import ray
+
+    try:
+        if ray.is_initialized():
+            raycluster.call(ray.shutdown, timeout_s=15.0)
+    except Exception:
+        pass
+    finally:
+        os._exit(0)
+
+
+_GUARD = """
+import os, signal, sys
+import psutil
+sys.stdin.buffer.read()  # end of file: the bridge is gone, killed or not
+for item in sys.argv[1:]:
+    pid, born = item.split(":")
+    try:
+        p = psutil.Process(int(pid))
+        if abs(p.create_time() - float(born)) < 0.01:
+            p.kill()
+    except (psutil.Error, OSError):
+        pass
+"""
+
+
+def _guard_private_instance():
+    """A private instance's raylet dies with the bridge, but its agents then wait a minute on the
+    dead GCS before they exit: a small process kills what this bridge started once it is gone
+    (a kill -9 of the master or the bridge included)."""
+    import subprocess
+    import sys
+
+    import psutil
+
+    started = [f"{p.pid}:{p.create_time()}" for p in psutil.Process().children(recursive=True)]
+    return subprocess.Popen([sys.executable, "-c", _GUARD, *started], stdin=subprocess.PIPE, close_fds=True)
+
+
 class Bridge:
     def __init__(self, spec_json: str, conns: list, options: dict):
         import ray
@@ -81,7 +126,9 @@ class Bridge:
         self.demand = {"CPU": 1.0, **options["resources"]}
         self.timeout_s = options["worker_timeout"]
         self.deadline_s = options["worker_timeout"] * self.local.plan.batch_size + _TASK_SLACK_S
-        raycluster.connect(ray, self.address, options)
+        raycluster.connect(ray, self.address, options, self._connect_timed_out)
+        if self.address == "local":
+            self.guard = _guard_private_instance()
         index = self.local.index
         self.index_ref = ray.put((index.paths, index.offsets, index.labels))  # sent once, not with every task
         self.spec_ref = ray.put(spec_json)
@@ -90,6 +137,11 @@ class Bridge:
         self.make, self.fingerprint = as_task(raytask.make_batch), as_task(raytask.fingerprint)
         args = (spec_json, self.index_ref)
         raycluster.check_every_node(ray, self.fingerprint, self.demand, self.address, self.expected, args)
+
+    def _connect_timed_out(self, message: str) -> None:
+        for conn in self.conns:
+            _send(conn, BootFailed(error=message))
+        os._exit(0)  # ray.init is still retrying on the main thread
 
     # -- serving ---------------------------------------------------------------------------
 

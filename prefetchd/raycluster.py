@@ -10,6 +10,7 @@ import threading
 from . import raytask
 
 CALL_TIMEOUT_S = 60.0  # a Ray call that does not return by then: the cluster is not answering
+CONNECT_TIMEOUT_S = 45.0  # ray.init retries a refused GCS port forever: the start must fail before its deadline
 
 
 class RayBootError(Exception):
@@ -49,11 +50,13 @@ def check_every_node(ray, fingerprint_task, demand: dict, address: str, expected
             raise RayBootError(mismatch_text(node, here, facts))
 
 
-def connect(ray, address: str, options: dict) -> None:
+def connect(ray, address: str, options: dict, on_timeout) -> None:
+    """ray.init, for a private instance or a cluster's address; ``on_timeout(message)`` ends the
+    process when it has not returned within CONNECT_TIMEOUT_S."""
     quiet = {"log_to_driver": False, "logging_level": logging.WARNING}
     try:
         if address == "local":  # a private instance: its object store off the tmpfs, sized to what is in flight
-            ray.init(
+            kwargs = dict(
                 num_cpus=options["local_cpus"],
                 include_dashboard=False,
                 object_store_memory=options["store_bytes"],
@@ -61,7 +64,23 @@ def connect(ray, address: str, options: dict) -> None:
                 **quiet,
             )
         else:
-            ray.init(address=address, **quiet)
+            kwargs = dict(address=address, **quiet)
+        # On this thread (ray.init installs signal handlers), and with a deadline: it retries a refused
+        # GCS port forever, and the start must fail with this message, not the pool's boot deadline.
+        timer = threading.Timer(
+            CONNECT_TIMEOUT_S,
+            on_timeout,
+            args=(
+                f"cannot connect to the Ray cluster at {address}: no answer within {CONNECT_TIMEOUT_S:.0f} s; start "
+                "one (`ray start --head` on this node) or pass --ray-address HOST:PORT of a running cluster's head",
+            ),
+        )
+        timer.daemon = True
+        timer.start()
+        try:
+            ray.init(**kwargs)
+        finally:
+            timer.cancel()
     except Exception as exc:
         raise RayBootError(
             f"cannot connect to the Ray cluster at {address}: {type(exc).__name__}: {first_line(exc)}; start one "
@@ -69,8 +88,9 @@ def connect(ray, address: str, options: dict) -> None:
         ) from None
 
 
-def call(fn, *args):
+def call(fn, *args, timeout_s: float | None = None):
     """A Ray call with a deadline (Ray's own may wait a minute or more for a lost head)."""
+    timeout_s = CALL_TIMEOUT_S if timeout_s is None else timeout_s
     result: list = []
 
     def run():
@@ -81,9 +101,9 @@ def call(fn, *args):
 
     t = threading.Thread(target=run, daemon=True)
     t.start()
-    t.join(CALL_TIMEOUT_S)
+    t.join(timeout_s)
     if not result:
-        raise TimeoutError(f"no answer from Ray within {CALL_TIMEOUT_S:.0f} s")
+        raise TimeoutError(f"no answer from Ray within {timeout_s:.0f} s")
     ok, value = result[0]
     if not ok:
         raise value

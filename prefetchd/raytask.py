@@ -108,13 +108,43 @@ def _watch(producer: BatchProducer, timeout_s: float) -> None:
     _watching.update(producer=producer, timeout_s=timeout_s)
     with _watchdog_lock:
         if not any(t.name == "prefetchd-watchdog" for t in threading.enumerate()):
-            threading.Thread(target=_watchdog, daemon=True, name="prefetchd-watchdog").start()
+            switch = _dead_mans_switch(timeout_s)
+            threading.Thread(target=_watchdog, args=(switch,), daemon=True, name="prefetchd-watchdog").start()
 
 
-def _watchdog() -> None:
+# A thread cannot watch its own process when the process is stopped (SIGSTOP) or a call holds the
+# GIL: a small process of its own kills it when the watchdog thread has not beaten for the timeout.
+_SWITCH = """
+import os, select, signal, sys
+parent, limit = int(sys.argv[1]), float(sys.argv[2])
+fd = sys.stdin.fileno()
+while True:
+    ready, _, _ = select.select([fd], [], [], limit)
+    if not ready:
+        os.kill(parent, signal.SIGKILL)
+        break
+    if not os.read(fd, 4096):  # the Ray worker is gone
+        break
+"""
+
+
+def _dead_mans_switch(timeout_s: float):
+    import subprocess
+    import sys
+
+    args = [sys.executable, "-c", _SWITCH, str(os.getpid()), str(timeout_s + 2.0)]
+    return subprocess.Popen(args, stdin=subprocess.PIPE, close_fds=True, start_new_session=True)
+
+
+def _watchdog(switch) -> None:
     last, since = None, time.monotonic()
     while True:
         time.sleep(1.0)
+        try:
+            switch.stdin.write(b".")
+            switch.stdin.flush()
+        except OSError:
+            pass
         producer, timeout_s = _watching.get("producer"), _watching.get("timeout_s")
         now = time.monotonic()
         if producer is None:
