@@ -143,6 +143,7 @@ def assert_resumes(config, cluster, reference: list, stop_points: tuple) -> None
             assert first + rest == reference[rank], f"rank {rank}: resume after {stop_after} differs"
 
 
+@pytest.mark.long  # CI's 10 minutes: the always-on Ray subset is smaller
 def test_batches_in_flight_on_ray_count_against_the_bound(cluster, job_root, jpeg_folder, tmp_path):
     config = write_config(tmp_path, jpeg_folder, world_size=1, batch_size=4, buffer="1M")
     paths = start_job(config, *ray_flags(cluster))
@@ -163,6 +164,7 @@ def test_batches_in_flight_on_ray_count_against_the_bound(cluster, job_root, jpe
     assert job_status(paths)["buffer"]["peak_bytes"] <= bound
 
 
+@pytest.mark.long  # CI's 10 minutes: the always-on Ray subset is smaller
 def test_a_master_killed_while_ray_serves_restarts_warm(cluster, job_root, jpeg_folder, tmp_path):
     config = write_config(tmp_path, jpeg_folder, world_size=1, batch_size=4, buffer="1M")
     paths = start_job(config, *ray_flags(cluster))
@@ -224,6 +226,7 @@ def test_a_node_that_decodes_otherwise_is_refused_when_it_joins(cluster, job_roo
     assert not (job_root / "skewed" / "batches").exists(), "a refused start leaves no buffer behind"
 
 
+@pytest.mark.long  # CI's 10 minutes: the always-on Ray subset is smaller
 def test_a_lost_cluster_stops_a_daemon_without_local_workers(pipelines_dir, job_root, jpeg_folder, tmp_path):
     config = pipeline_config(tmp_path, jpeg_folder, "slow")
     cluster = _start_cluster(pipelines_dir)  # its own: this test takes its node away

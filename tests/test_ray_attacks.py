@@ -71,6 +71,7 @@ def test_an_unreachable_ray_address_fails_the_start_fast(job_root, jpeg_folder, 
     assert took < 75, f"the start took {took:.0f} s"
 
 
+@pytest.mark.long  # CI's 10 minutes: the always-on Ray subset is smaller
 def test_a_failed_local_ray_start_leaves_no_ray_process(job_root, jpeg_folder, tmp_path):
     from .conftest import write_config
 
@@ -116,6 +117,7 @@ def test_a_master_killed_with_a_local_ray_leaves_no_process(job_root, jpeg_folde
             p.kill()
 
 
+@pytest.mark.long  # CI's 10 minutes: the always-on Ray subset is smaller
 def test_a_stopped_ray_worker_does_not_stall_the_trainer(cluster, job_root, jpeg_folder, tmp_path):  # noqa: F811
     """SIGSTOP of a Ray worker mid-task stops its watchdog thread too: liveness is progress, so
     its batch must be made again within about --worker-timeout, not after the whole batch's
