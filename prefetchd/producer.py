@@ -150,6 +150,22 @@ def why_not_this_batch(header, size: int, position: tuple[int, int, int], layout
     return None
 
 
+def tmp_path(paths: JobPaths, epoch: int, step: int, rank: int) -> Path:
+    """Where this process writes a batch before publishing it: ``tmp/<batch>.<pid>`` (the pool
+    sweeps a dead writer's files by that suffix)."""
+    return paths.tmp_dir / f"{batch_name(epoch, step, rank)}.{os.getpid()}"
+
+
+def publish(paths: JobPaths, tmp: Path, epoch: int, step: int, rank: int) -> bool:
+    """Publish the whole file ``tmp``: a hard link into ``batches/``, atomic like rename, but it
+    fails if the name exists, so a batch is published once whoever made it. False if it was there."""
+    try:
+        os.link(tmp, paths.batch(epoch, step, rank))
+        return True
+    except FileExistsError:
+        return False
+
+
 def load_callable(ref: str):
     module, _, name = ref.partition(":")
     return getattr(importlib.import_module(module), name)
@@ -316,19 +332,14 @@ class BatchProducer:
 
         Returns (published, report); published is False if the batch was already there.
         """
-        name = batch_name(epoch, step, rank)
-        tmp = self.paths.tmp_dir / f"{name}.{os.getpid()}"
+        tmp = tmp_path(self.paths, epoch, step, rank)
         if self._buffer is None:
             self._buffer = BatchBuffer(self.layout)
         writer = BatchWriter(tmp, self.layout, self._buffer)
         try:
             report = self.fill(writer.arrays, epoch, step, rank)
             writer.finish(epoch, step, rank, self.meta(writer.arrays, report))
-            try:
-                os.link(tmp, self.paths.batch(epoch, step, rank))
-                return True, report
-            except FileExistsError:
-                return False, report
+            return publish(self.paths, tmp, epoch, step, rank), report
         finally:
             self.progress.current = None
             try:

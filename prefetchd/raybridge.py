@@ -23,11 +23,10 @@ import time
 import traceback
 
 from prefetchd_client.batchfile import BatchFormatError, read_batch, write_batch_file
-from prefetchd_client.layout import batch_name
 
 from . import raycluster, raytask
 from .messages import BootFailed, Done, ExecutorLost, Failed, Produce, Ready, decode, encode
-from .producer import BatchProducer, ProducerSpec, SampleProgress, why_not_this_batch
+from .producer import BatchProducer, ProducerSpec, SampleProgress, publish, tmp_path, why_not_this_batch
 from .worker import _die_with_the_master, _send, _send_heartbeats
 
 _NODE_CHECK_S = 2.0  # how often the bridge asks Ray whether a node can still run the tasks
@@ -200,15 +199,10 @@ class Bridge:
 
     def _publish(self, data, e: int, k: int, r: int) -> bool:
         """As a local worker publishes: a whole file in tmp/, then a link that fails if the batch is there."""
-        paths = self.local.paths
-        tmp = paths.tmp_dir / f"{batch_name(e, k, r)}.{os.getpid()}"
+        tmp = tmp_path(self.local.paths, e, k, r)
         try:
             write_batch_file(tmp, data)
-            try:
-                os.link(tmp, paths.batch(e, k, r))
-                return True
-            except FileExistsError:
-                return False
+            return publish(self.local.paths, tmp, e, k, r)
         finally:
             try:
                 os.unlink(tmp)

@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -28,9 +29,9 @@ EPOCHS = 2
 
 # One trainer rank, in its own process: its (epoch, step, digest) stream and its state_dict.
 _TRAINER = textwrap.dedent("""
-    import hashlib, json, sys
-    import numpy as np
+    import json, sys
     from prefetchd_client import PrefetchLoader
+    from tests.test_resume import digest  # the trainer runs in the repository's folder, as pytest does
 
     job, root, rank, world, stop_after, epochs, state = json.loads(sys.argv[1])
     loader = PrefetchLoader(job, root=root, rank=rank, world_size=world, as_tensors=False, timeout=60)
@@ -40,11 +41,7 @@ _TRAINER = textwrap.dedent("""
     while len(seen) != stop_after and loader.position[0] < epochs:
         epoch, first = loader.position
         for step, batch in enumerate(loader, start=first):
-            h = hashlib.sha256()
-            for name in sorted(batch):
-                h.update(name.encode())
-                h.update(np.ascontiguousarray(batch[name]).tobytes())
-            seen.append([epoch, step, h.hexdigest()])
+            seen.append([epoch, step, digest(batch)])
             if len(seen) == stop_after:
                 break
     print(json.dumps({"seen": seen, "state": loader.state_dict()}))
@@ -61,6 +58,7 @@ def run_trainers(job: str, root_of_rank, *, stop_after=None, state=None) -> list
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            cwd=Path(__file__).parent.parent,  # where `tests.test_resume` imports from
         )
         for r in range(WORLD)
     ]
