@@ -17,6 +17,7 @@ from prefetchd_client.batchfile import BatchFormatError, map_batch
 from prefetchd_client.folders import read_regular_file
 from prefetchd_client.layout import JobPaths
 from prefetchd_client.manifest import read_manifest
+from prefetchd_client.ranks import format_ranks
 
 from .errors import JobError
 from .producer import PRODUCER_SPEC, BatchProducer, ProducerSpec, SpecMismatch
@@ -54,6 +55,12 @@ def verify_batch(paths: JobPaths, epoch: int, step: int, rank: int) -> dict:
         raise JobError(
             f"no batch epoch {epoch} step {step} rank {rank} in job {paths.name!r}: steps are "
             f"0..{manifest['batches_per_epoch'] - 1}, ranks 0..{manifest['world_size'] - 1}"
+        )
+    if rank not in manifest["ranks"]:
+        raise JobError(
+            f"rank {rank} is not served by the daemon of job {paths.name!r} under {paths.dir.parent}: it serves "
+            f"ranks {format_ranks(manifest['ranks'])} of {manifest['world_size']} (--ranks); verify it on the node "
+            "that serves it"
         )
     path = paths.batch(epoch, step, rank)
     try:

@@ -42,9 +42,9 @@ TMP_DIR = "tmp"
 TRAINERS_DIR = "trainers"
 RETIRED_DIR = "retired"
 
-_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-_BATCH_NAME = re.compile(r"^e(\d{6})-s(\d{8})-r(\d{4})\.batch$")
-_PROGRESS_NAME = re.compile(r"^rank-(\d{1,4})$")
+_JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # fullmatch: "job\n" is no name
+_BATCH_NAME = re.compile(r"e(\d{6})-s(\d{8})-r(\d{4})\.batch", re.ASCII)  # fullmatch: no "\n" after
+_PROGRESS_NAME = re.compile(r"rank-(\d{1,4})", re.ASCII)
 
 
 def default_root() -> Path:
@@ -60,7 +60,7 @@ def resolve_root(root: str | os.PathLike | None = None) -> Path:
 
 def check_job_name(name: str) -> str:
     """Job names become directory names: keep them to one safe path component."""
-    if not isinstance(name, str) or not _JOB_NAME.match(name):
+    if not isinstance(name, str) or not _JOB_NAME.fullmatch(name):
         raise ValueError(
             f"invalid job name {name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
         )
@@ -144,12 +144,12 @@ def batch_name(epoch: int, step: int, rank: int) -> str:
 
 def parse_batch_name(name: str) -> tuple[int, int, int] | None:
     """(epoch, step, rank) of a batch file name, or None for anything else."""
-    m = _BATCH_NAME.match(name)
+    m = _BATCH_NAME.fullmatch(name)
     return (int(m[1]), int(m[2]), int(m[3])) if m else None
 
 
 def parse_progress_name(name: str) -> int | None:
-    m = _PROGRESS_NAME.match(name)
+    m = _PROGRESS_NAME.fullmatch(name)
     return int(m[1]) if m else None
 
 

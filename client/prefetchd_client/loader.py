@@ -25,8 +25,7 @@ from .errors import AuthError, BatchFormatError, BatchTimeout, DaemonDied, JobNo
 from .folders import open_job
 from .layout import MAX_EPOCH, JobPaths
 from .locks import daemon_alive, hold_trainer_lock, release_trainer_lock
-from .manifest import VersionMismatch, check_manifest, read_manifest, read_stopped
-from .ranks import format_ranks
+from .manifest import VersionMismatch, check_manifest, check_plan, read_manifest, read_stopped
 from .readahead import ReadAhead
 
 STATE_VERSION = 1
@@ -165,7 +164,7 @@ class PrefetchLoader:
         default_rank, default_world = _default_rank_and_world()
         self.rank = default_rank if rank is None else int(rank)
         self.world_size = default_world if world_size is None else int(world_size)
-        self._check_plan()
+        check_plan(self.manifest, self._paths, self.rank, self.world_size)
         self.timeout = float(timeout)
         self.restart_grace = float(restart_grace)
         self.verify = os.environ.get(VERIFY_ENV) == "1" if verify is None else bool(verify)
@@ -251,24 +250,6 @@ class PrefetchLoader:
             raise PlanMismatch(str(exc)) from None
         except ValueError as exc:
             raise JobNotRunning(f"job {job!r} has no usable manifest ({exc}); {hint}") from None
-
-    def _check_plan(self) -> None:
-        world = self.manifest["world_size"]
-        if self.world_size != world:
-            raise PlanMismatch(
-                f"this trainer has world size {self.world_size}, but job {self._paths.name!r} was planned "
-                f"for world_size = {world}: restart the job with --world-size {self.world_size}, "
-                f"or pass world_size={world}"
-            )
-        if not 0 <= self.rank < world:
-            raise PlanMismatch(f"rank {self.rank} is outside 0..{world - 1} of job {self._paths.name!r}")
-        served = self.manifest["ranks"]
-        if self.rank not in served:
-            raise PlanMismatch(
-                f"rank {self.rank} is not served by the daemon of job {self._paths.name!r} under "
-                f"{self._paths.dir.parent}: it serves ranks {format_ranks(served)} of {world} (--ranks). Run this "
-                "rank on the node whose daemon serves it, or start this node's daemon with its ranks"
-            )
 
     # -- DataLoader surface ----------------------------------------------------------------
 
@@ -453,6 +434,15 @@ class PrefetchLoader:
         if digest != header["meta"].get("crc32"):
             raise BatchFormatError(f"{path}: its bytes do not match the CRC-32 in its header (torn write?)")
 
+    def _check_plan_again(self) -> None:
+        """A daemon restarted under a waiting trainer may serve other ranks or another world
+        size: PlanMismatch now, as a new loader would get, rather than BatchTimeout later."""
+        try:
+            manifest = self._read_manifest()
+        except JobNotRunning:  # between a restart's lock and its manifest: look again later
+            return
+        check_plan(manifest, self._paths, self.rank, self.world_size)
+
     def _fetch(self, epoch: int, step: int, reader: ReadAhead) -> dict:
         """Wait for batch (epoch, step) and map it, on the read-ahead thread: between looks,
         ``reader.waiting()`` reports the trainer's progress and raises Stopped once it left."""
@@ -480,6 +470,8 @@ class PrefetchLoader:
                         f"epoch {epoch} step {step}{reason}; see {self._paths.log} and restart it with "
                         "`prefetchd start`"
                     )
+                if alive:
+                    self._check_plan_again()
                 reader.waiting(resend=True)  # a restarted daemon learns where this rank is
                 next_check = now + _LIVENESS_CHECK_S
             if reader.trainer_waited_s() >= self.timeout:  # from when the trainer asked for it

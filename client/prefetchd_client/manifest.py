@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import json
 
+from .errors import PlanMismatch
 from .folders import read_regular_file
 from .layout import MANIFEST, MAX_RANK, MAX_STEP, STOPPED, JobPaths, parse_tcp_endpoint
-from .ranks import parse_ranks
+from .ranks import format_ranks, parse_ranks
 
 _MAX_MANIFEST_BYTES = 1 << 20
 # The manifest's own format. The daemon (package prefetchd) writes it and the client (package
@@ -110,6 +111,26 @@ def check_manifest(paths: JobPaths, manifest: dict) -> dict:
     if not valid_curve_key(manifest.get("curve_public_key")):
         raise ValueError(f"{paths.manifest}: 'curve_public_key' must be null or a {_CURVE_KEY_CHARS}-character key")
     return manifest
+
+
+def check_plan(manifest: dict, paths: JobPaths, rank: int, world_size: int) -> None:
+    """PlanMismatch unless the checked ``manifest``'s daemon serves ``rank`` of ``world_size``."""
+    world = manifest["world_size"]
+    if world_size != world:
+        raise PlanMismatch(
+            f"this trainer has world size {world_size}, but job {paths.name!r} was planned "
+            f"for world_size = {world}: restart the job with --world-size {world_size}, "
+            f"or pass world_size={world}"
+        )
+    if not 0 <= rank < world:
+        raise PlanMismatch(f"rank {rank} is outside 0..{world - 1} of job {paths.name!r}")
+    served = manifest["ranks"]
+    if rank not in served:
+        raise PlanMismatch(
+            f"rank {rank} is not served by the daemon of job {paths.name!r} under "
+            f"{paths.dir.parent}: it serves ranks {format_ranks(served)} of {world} (--ranks). Run this "
+            "rank on the node whose daemon serves it, or start this node's daemon with its ranks"
+        )
 
 
 def _valid_ranks(ranks, world_size: int) -> bool:

@@ -14,7 +14,7 @@ def parse_ranks(value) -> tuple[int, ...]:
     integers. ValueError (saying what is accepted) for anything else, a rank past what a batch
     name holds, or a rank given twice."""
     if isinstance(value, str):
-        ranks = []
+        ranks, seen = [], set()
         for part in value.split(","):
             low, dash, high = part.strip().partition("-")
             if not _is_number(low) or dash and not _is_number(high):
@@ -23,8 +23,14 @@ def parse_ranks(value) -> tuple[int, ...]:
             if max(low_rank, high_rank) > MAX_RANK:  # before range(): 0-10**12 would not fit in memory
                 raise ValueError(f"ranks are 0..{MAX_RANK}, got {part.strip()[:30]!r}")
             if high_rank < low_rank:
-                raise ValueError(f"the range {part.strip()!r} runs backwards; write {high_rank}-{low_rank}")
-            ranks.extend(range(low_rank, high_rank + 1))
+                raise ValueError(f"the range {part.strip()[:30]!r} runs backwards; write {high_rank}-{low_rank}")
+            # A rank given twice is refused at once: "0-9999," repeated would otherwise build a
+            # list of billions of ranks before the duplicate check (what is kept stays <= MAX_RANK + 1).
+            part_ranks = range(low_rank, high_rank + 1)
+            if any(r in seen for r in part_ranks):
+                raise ValueError(f"a rank is given twice in {value[:60]!r}")
+            seen.update(part_ranks)
+            ranks.extend(part_ranks)
     elif isinstance(value, list) and all(type(r) is int for r in value):
         ranks = value
     else:
