@@ -54,7 +54,7 @@ from prefetchd_client.layout import parse_tcp_endpoint
 from prefetchd_client.ranks import format_ranks
 from prefetchd_client.transport import load_secret_certificate
 
-from . import fastdecode, settings, transforms
+from . import settings, transforms
 from .curve import load_authorized_keys
 from .errors import ConfigError
 from .settings import default_workers as default_workers  # scripts/bench.py imports it from here
@@ -256,12 +256,11 @@ def _check_executor(values: dict) -> None:
         raise ConfigError("[daemon] executor / --executor ray needs Ray on this node: pip install 'prefetchd[ray]'")
 
 
-def _check_decoder_installed(decoder: str) -> None:
-    if decoder == "simplejpeg":
-        try:
-            fastdecode.require()
-        except ImportError as exc:
-            raise ConfigError(f"{settings.BY_OPTION['decoder'].where} / --decoder: {exc}") from None
+def _resolve_decoder(decoder: str) -> str:
+    try:
+        return transforms.resolve_decoder(decoder)
+    except ImportError as exc:
+        raise ConfigError(f"{settings.BY_OPTION['decoder'].where} / --decoder: {exc}") from None
 
 
 def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | None = None) -> Config:
@@ -283,7 +282,7 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
     values = _check_endpoint(values, base, overrides)
     _check_ranks_in_world(values["ranks"], values["world_size"])
     _check_executor(values)
-    _check_decoder_installed(values["decoder"])
+    values["decoder"] = _resolve_decoder(values["decoder"])
     sources = _check_sources(raw.get("source", []), data, base)
 
     specs = raw.get("transform", [])

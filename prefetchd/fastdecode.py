@@ -68,22 +68,49 @@ def decode_resampled(data: bytes, size: tuple[int, int], box, out_w: int, out_h:
     ValueError when libjpeg-turbo cannot decode it (corrupt, or a colour space it cannot
     convert); Image.DecompressionBombError past Pillow's pixel limit, as on the Pillow path.
     """
-    width, height = size
-    if width * height > Image.MAX_IMAGE_PIXELS:
+    check_pixels(size)
+    shrink = dct_shrink(box, out_w, out_h)
+    (scaled_w, scaled_h), (left, top, right, bottom) = scaled_box(size, shrink, box)
+    # Asking for exactly libjpeg-turbo's scaled size picks 1/shrink.
+    img = simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=scaled_w, min_height=scaled_h)
+    return resample(img[top:bottom, left:right], out_w, out_h)
+
+
+def check_pixels(size: tuple[int, int]) -> None:
+    """Image.DecompressionBombError past Pillow's pixel limit, as on the Pillow path."""
+    if size[0] * size[1] > Image.MAX_IMAGE_PIXELS:
         raise Image.DecompressionBombError(
-            f"image of {width * height} pixels exceeds the limit of {Image.MAX_IMAGE_PIXELS}"
+            f"image of {size[0] * size[1]} pixels exceeds the limit of {Image.MAX_IMAGE_PIXELS}"
         )
+
+
+def dct_shrink(box, out_w: int, out_h: int) -> int:
+    """1, 2, 4 or 8: the strongest DCT scaling whose decode still holds ``box`` at the output
+    size or larger (halve while it does)."""
     x0, y0, x1, y1 = box
-    # The decoded image must keep the box at least out_w x out_h: halve while it does.
     shrink = 1
     while shrink < 8 and (x1 - x0) >= 2 * shrink * out_w and (y1 - y0) >= 2 * shrink * out_h:
         shrink *= 2
-    # libjpeg-turbo's scaled size is ceil(size / shrink): asking for exactly that picks 1/shrink.
-    img = simplejpeg.decode_jpeg(data, colorspace="RGB", min_width=-(-width // shrink), min_height=-(-height // shrink))
-    sx, sy = img.shape[1] / width, img.shape[0] / height
+    return shrink
+
+
+def scaled_box(size: tuple[int, int], shrink: int, box) -> tuple[tuple[int, int], tuple[int, int, int, int]]:
+    """The image's size decoded at 1/shrink (libjpeg-turbo rounds up), and ``box`` in its pixels
+    widened to whole ones: ((width, height), (left, top, right, bottom)); ValueError if empty."""
+    width, height = size
+    scaled_w, scaled_h = -(-width // shrink), -(-height // shrink)
+    sx, sy = scaled_w / width, scaled_h / height
+    x0, y0, x1, y1 = box
     left, top = max(0, math.floor(x0 * sx)), max(0, math.floor(y0 * sy))
-    right, bottom = min(img.shape[1], math.ceil(x1 * sx)), min(img.shape[0], math.ceil(y1 * sy))
-    crop = img[top:bottom, left:right]
+    right, bottom = min(scaled_w, math.ceil(x1 * sx)), min(scaled_h, math.ceil(y1 * sy))
+    if right <= left or bottom <= top:  # to libjpeg-turbo, a region of width or height 0 is "to the edge"
+        raise ValueError(f"empty crop box {box} in a {width} x {height} image")
+    return (scaled_w, scaled_h), (left, top, right, bottom)
+
+
+def resample(crop: np.ndarray, out_w: int, out_h: int) -> np.ndarray:
+    """``crop`` (uint8 RGB) at ``out_w`` x ``out_h``: bilinear while at most 2x is left to shrink,
+    an area average beyond (the module docstring says why)."""
     far = crop.shape[1] > 2 * out_w or crop.shape[0] > 2 * out_h
     return cv2.resize(crop, (out_w, out_h), interpolation=cv2.INTER_AREA if far else cv2.INTER_LINEAR)
 

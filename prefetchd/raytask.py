@@ -25,7 +25,7 @@ import traceback
 
 import numpy as np
 
-from . import __version__
+from . import __version__, roidecode, tjlib
 from .producer import BatchProducer, ProducerSpec, SampleError
 from .sources import SampleIndex
 
@@ -50,6 +50,11 @@ def decoder_facts() -> dict:
         import simplejpeg
 
         facts["simplejpeg"] = simplejpeg.__version__
+    except ImportError:
+        pass
+    try:
+        roidecode.require()
+        facts["libturbojpeg"] = os.path.basename(tjlib.library_path())
     except ImportError:
         pass
     return facts

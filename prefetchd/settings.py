@@ -24,7 +24,8 @@ from .plan import MIX_RULES
 from .sizes import parse_size
 
 SECTIONS = ("job", "daemon", "mix", "pipeline")
-DECODERS = ("pillow", "simplejpeg")  # prefetchd.fastdecode implements the second
+# The JPEG decoders, slowest first; prefetchd.transforms.NATIVE_DECODERS implements all but Pillow.
+DECODERS = ("pillow", "simplejpeg", "turbojpeg")
 Rule = tuple[Callable[[Any], bool], str]  # (is the value valid, what "must be" it is)
 
 
@@ -200,10 +201,10 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "job", "decoder", (str,),
-        help="the JPEG decoder: pillow, or simplejpeg (libjpeg-turbo and OpenCV: pip install 'prefetchd[fast]'), "
-        "faster, with slightly different pixels",
-        default="pillow",
-        choices=DECODERS,  # whether the one chosen is installed: prefetchd.config asks prefetchd.fastdecode
+        help="the JPEG decoder: auto (the fastest installed), turbojpeg (libjpeg-turbo decodes only the crop's "
+        "region), simplejpeg (libjpeg-turbo, whole image), or pillow; each gives slightly different pixels",
+        default="auto",
+        choices=("auto", *DECODERS),  # resolved, and checked installed, by prefetchd.transforms.resolve_decoder
     ),
     # -- [daemon]: how this node serves it
     Setting(

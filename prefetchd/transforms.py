@@ -42,7 +42,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageEnhance
 
-from prefetchd import fastdecode
+from prefetchd import fastdecode, roidecode
 from prefetchd.errors import ConfigError
 from prefetchd.settings import DECODERS
 
@@ -51,6 +51,25 @@ Box = tuple[float, float, float, float]  # (left, top, right, bottom) in source 
 # Only these decoders ever see a file: a crafted file cannot reach Pillow's rarer, less
 # hardened plugins. Pillow's pixel limit (Image.MAX_IMAGE_PIXELS) stays on.
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "PPM", "TIFF")
+# The decoders besides Pillow, by name: each module has require(), jpeg_size() and
+# decode_resampled(); files they decline (not JPEG, CMYK, damaged) go through Pillow.
+NATIVE_DECODERS = {"simplejpeg": fastdecode, "turbojpeg": roidecode}
+
+
+def resolve_decoder(name: str) -> str:
+    """The decoder a job runs with: ``name``, checked installed (ImportError saying how to
+    install it), or for "auto" the fastest one installed here."""
+    if name == "auto":
+        for candidate in reversed(DECODERS):  # fastest first
+            try:
+                return resolve_decoder(candidate)
+            except ImportError:
+                continue
+    if name not in DECODERS:
+        raise ValueError(f"decoder must be one of {DECODERS}, got {name!r}")
+    if name in NATIVE_DECODERS:
+        NATIVE_DECODERS[name].require()
+    return name
 
 
 # ---------------------------------------------------------------- config schema
@@ -325,18 +344,16 @@ def _draft(img: Image.Image, box: Box, out_w: int, out_h: int) -> Box:
 class ImagePipeline:
     """A validated transform list; ``apply`` decodes and augments one image file.
 
-    ``decoder``: "pillow" (default) or "simplejpeg" (libjpeg-turbo and OpenCV, see
-    prefetchd.fastdecode); both follow the same plan, drawn from the same random numbers.
+    ``decoder``: one of settings.DECODERS: "pillow" (default here), "simplejpeg" (libjpeg-turbo
+    and OpenCV, prefetchd.fastdecode) or "turbojpeg" (only the crop's region, prefetchd.roidecode);
+    all follow the same plan, drawn from the same random numbers.
     """
 
     def __init__(self, specs: list[dict], decoder: str = "pillow"):
         self._steps, (h, w) = _parse(specs)  # exactly validate_transforms' checks
         self.output_shape: tuple[int, int, int] = (h, w, 3)
-        if decoder not in DECODERS:
-            raise ValueError(f"decoder must be one of {DECODERS}, got {decoder!r}")
-        if decoder == "simplejpeg":
-            fastdecode.require()
-        self.decoder = decoder
+        self.decoder = resolve_decoder(decoder)  # a job's was resolved when its config was built
+        self._native = NATIVE_DECODERS.get(self.decoder)
 
     def plan(self, size: tuple[int, int], rng: np.random.Generator) -> Plan:
         """Draw this sample's random numbers (in config order) for an image of `size` (w, h)."""
@@ -351,14 +368,14 @@ class ImagePipeline:
         if out.shape != self.output_shape or out.dtype != np.uint8:
             raise ValueError(f"out must be uint8 of shape {self.output_shape}, got {out.dtype} {out.shape}")
         source, v = path, None
-        if self.decoder == "simplejpeg":
+        if self._native is not None:
             with open(path, "rb") as f:
                 data = f.read()
-            size = fastdecode.jpeg_size(data)
+            size = self._native.jpeg_size(data)
             if size is not None:
                 v = self.plan(size, rng)
                 try:
-                    pixels = fastdecode.decode_resampled(data, size, v.box, v.w, v.h)
+                    pixels = self._native.decode_resampled(data, size, v.box, v.w, v.h)
                 except ValueError:
                     pixels = None  # CMYK, or damaged: Pillow decides, with the same plan
                 if pixels is not None:
@@ -367,7 +384,7 @@ class ImagePipeline:
                     _finish(pixels, replace(v, mirrored=False), out)
                     return
             source = io.BytesIO(data)
-        with Image.open(source, formats=ALLOWED_FORMATS) as src:
+        with _open_image(source, path) as src:
             if v is None:
                 v = self.plan(src.size, rng)
             assert (v.h, v.w) == self.output_shape[:2]
@@ -384,6 +401,17 @@ class ImagePipeline:
         for enhancer, factor in v.enhance:
             img = enhancer(img).enhance(factor)
         out[...] = np.asarray(img)
+
+
+def _open_image(source, path: str) -> Image.Image:
+    """Image.open, naming ``path`` when the bytes were read already: Pillow names a BytesIO
+    by its address, which would make a bad sample's recorded error differ from run to run."""
+    try:
+        return Image.open(source, formats=ALLOWED_FORMATS)
+    except Image.UnidentifiedImageError:
+        if source is path:
+            raise
+        raise Image.UnidentifiedImageError(f"cannot identify image file {path!r}") from None
 
 
 def _finish(pixels: np.ndarray, v: Plan, out: np.ndarray) -> None:

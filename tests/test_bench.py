@@ -17,7 +17,9 @@ REPO = Path(__file__).resolve().parents[1]
 ROWS = {
     "throughput_rrc",
     "throughput_classic",
-    "throughput_fast",
+    "throughput_pillow",
+    "throughput_simplejpeg",
+    "partial_decode",
     "scaling_rrc",
     "scaling_classic",
     "steady_trainer",
@@ -47,10 +49,14 @@ def test_quick_bench_reports_every_row_and_cleans_up(tmp_path):
     assert set(rows) == ROWS
     for r in rows.values():
         assert r["prefetchd"] and r["dataloader"], r
-    # The raw figures behind the rows: both recipes, all three systems, every repeat.
+    # The raw figures behind the rows: both recipes, every system, every repeat; the default
+    # install has every decoder, so prefetchd also ran with each one `auto` did not pick.
+    assert report["settings"]["decoder"] == "turbojpeg"
     for recipe in ("rrc", "classic"):
-        for system in ("prefetchd", "prefetchd_fast", "dataloader_persistent", "dataloader_fresh"):
-            assert len(report["throughput"][recipe][system]) == 1  # the dev extra has the fast decoder
+        for system in ("prefetchd", "prefetchd_simplejpeg", "prefetchd_pillow", "dataloader_persistent"):
+            assert len(report["throughput"][recipe][system]) == 1
+        assert all(len(v) == 1 for v in report["decoder_loops"][recipe].values())
+    assert rows["partial_decode"]["holds"] is not None
     for kind in ("steady", "bursty"):
         assert report[kind]["prefetchd"][0]["timeline"]["buffer"], "no buffer samples for the timeline"
     assert set(report["restart"]) == {"prefetchd (warm)", "DataLoader fork"}

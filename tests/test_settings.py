@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import zmq.auth
 
-from prefetchd import fastdecode, settings
+from prefetchd import settings, transforms
 from prefetchd.config import Config, build_config, load_config
 from prefetchd.errors import ConfigError
 from prefetchd.plan import Plan
@@ -80,7 +80,7 @@ def non_default_flags(option: str, tmp_path: Path) -> tuple[dict, object]:
 def test_every_flag_reaches_its_config_field(setting, tmp_path):
     if setting.option == "decoder":
         try:
-            fastdecode.require()
+            transforms.resolve_decoder("simplejpeg")
         except ImportError:
             pytest.skip("the simplejpeg decoder is not installed")
     flags, expected = non_default_flags(setting.option, tmp_path)

@@ -42,7 +42,8 @@ MAX_MODULE_LINES = 500
 MAX_MASTER_LINES = 300
 MAX_MEDIAN_LINES = 160  # the goal is a median of about 150
 
-WORKER_SIDE = {f"prefetchd.{m}" for m in ("worker", "producer", "transforms", "sources", "fastdecode", "messages")}
+WORKER_SIDE = {f"prefetchd.{m}" for m in ("worker", "producer", "transforms", "sources", "messages")}
+WORKER_SIDE |= {f"prefetchd.{m}" for m in ("fastdecode", "roidecode", "tjlib")}  # the native decoders
 WORKER_SIDE |= {f"prefetchd.{m}" for m in ("raybridge", "raycluster", "raytask")}  # --executor ray's side
 MASTER_SIDE = {f"prefetchd.{m}" for m in ("master", "pool", "buffer", "intake", "job", "daemon", "cli", "status")}
 PURE = {f"prefetchd.{m}" for m in ("plan", "scheduler", "policy", "settings", "errors", "sizes", "messages")}

@@ -13,7 +13,10 @@ from hypothesis import strategies as st
 from PIL import Image, ImageEnhance
 
 from prefetchd.errors import ConfigError
-from prefetchd.transforms import OPS, ImagePipeline, validate_transforms
+from prefetchd.settings import DECODERS
+from prefetchd.transforms import NATIVE_DECODERS, OPS, ImagePipeline, validate_transforms
+
+NATIVE = sorted(NATIVE_DECODERS)
 
 IMAGENET = [
     {"op": "resize_short", "min": 256, "max": 480},
@@ -266,7 +269,7 @@ REFERENCE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("decoder", ["pillow", "simplejpeg"])
+@pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize("name", IMAGE_NAMES)
 @pytest.mark.parametrize("specs", REFERENCE_CASES)
 def test_fused_path_is_close_to_naive_reference(images, name, specs, decoder):
@@ -278,17 +281,18 @@ def test_fused_path_is_close_to_naive_reference(images, name, specs, decoder):
         assert _mad(fused, ref) < 6, (seed, _mad(fused, ref))
 
 
+@pytest.mark.parametrize("decoder", NATIVE)
 @pytest.mark.parametrize("name", IMAGE_NAMES)
-def test_fast_decoder_is_deterministic(images, name):
-    first = _run(IMAGENET, images[name], 5, "simplejpeg")
-    assert np.array_equal(first, _run(IMAGENET, images[name], 5, "simplejpeg"))
-    assert not np.array_equal(first, _run(IMAGENET, images[name], 6, "simplejpeg"))
+def test_fast_decoders_are_deterministic(images, name, decoder):
+    first = _run(IMAGENET, images[name], 5, decoder)
+    assert np.array_equal(first, _run(IMAGENET, images[name], 5, decoder))
+    assert not np.array_equal(first, _run(IMAGENET, images[name], 6, decoder))
 
 
 def test_fast_decoder_refuses_a_damaged_jpeg_like_pillow(images, tmp_path):
     damaged = tmp_path / "cut.jpg"
     damaged.write_bytes(Path(images["medium.jpg"]).read_bytes()[:3000])
-    for decoder in ("pillow", "simplejpeg"):
+    for decoder in DECODERS:
         with pytest.raises(OSError):  # the producer counts it as a bad sample and replaces it
             _run(IMAGENET, str(damaged), 0, decoder)
 

@@ -377,6 +377,9 @@ class PrefetchLoader:
             theirs = theirs if isinstance(theirs, dict) else {}
             differing = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
             shown = "; ".join(f"{k}: state has {theirs.get(k)!r}, job has {ours.get(k)!r}" for k in differing)
+            if "augment" in differing:  # a digest: say what it covers
+                shown += " (augment: the transforms, the [pipeline] callable or the decoder; decoder = auto picks "
+                shown += "the fastest installed, and before it was the default a job ran decoder = pillow)"
             raise PlanMismatch(
                 f"cannot resume job {job!r} from this state: it was taken with another config "
                 f"({shown or 'config_hash'}); start the job with the config the state came from"
