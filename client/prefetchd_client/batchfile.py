@@ -395,8 +395,9 @@ def _remember_fields(table: bytes, checked: list) -> None:
     )
 
 
-def _open_regular_file(path: str | os.PathLike) -> int:
-    """A descriptor of the batch file at ``path``, which must be a regular file, not a symlink.
+def _open_regular_file(path: str | os.PathLike, pin: bool) -> tuple[int, os.stat_result]:
+    """A descriptor of the batch file at ``path``, which must be a regular file, not a symlink,
+    and its fstat, taken after the shared lock when ``pin`` (map_batch says why).
 
     Anyone who can write the job folder can plant a name: a FIFO would block a plain open()
     until a writer comes (forever, in the read-ahead thread, after the trainer's BatchTimeout),
@@ -410,11 +411,19 @@ def _open_regular_file(path: str | os.PathLike) -> int:
         if exc.errno == errno.ELOOP:
             raise _fail(f"{path} is a symbolic link, not a batch; something other than prefetchd made it") from None
         raise
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
+    try:
+        if pin:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:  # the daemon holds it this instant: it is freeing it
+                raise FileNotFoundError(errno.ENOENT, "batch is being retired", str(path)) from None
+        st = os.fstat(fd)  # one fstat, after the lock: the link count must be the locked file's
+        if not stat.S_ISREG(st.st_mode):
+            raise _fail(f"{path} is not a regular file (mode {st.st_mode:o}); something other than prefetchd made it")
+    except BaseException:
         os.close(fd)
-        raise _fail(f"{path} is not a regular file (mode {mode:o}); something other than prefetchd made it")
-    return fd
+        raise
+    return fd, st
 
 
 def map_batch(
@@ -435,14 +444,8 @@ def map_batch(
     ``unmap_in_background``: once the arrays are freed, the mapping is closed on a background
     thread (prefetchd_client.unmapper), not in the thread that dropped the last of them.
     """
-    fd = _open_regular_file(path)
+    fd, st = _open_regular_file(path, pin)
     try:
-        if pin:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:  # the daemon holds it this instant: it is freeing it
-                raise FileNotFoundError(errno.ENOENT, "batch is being retired", str(path)) from None
-        st = os.fstat(fd)
         if pin and st.st_nlink == 0:  # freed between our open and our lock
             raise FileNotFoundError(errno.ENOENT, "batch was retired", str(path))
         size = st.st_size
