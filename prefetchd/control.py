@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import zmq
-from zmq.auth.thread import ThreadAuthenticator
 
 from prefetchd_client.layout import SOCKET, JobPaths, parse_tcp_endpoint
 from prefetchd_client.manifest import read_manifest, valid_curve_key, valid_endpoint
@@ -39,6 +38,8 @@ from .curve import load_authorized_keys
 from .errors import ConfigError
 
 if TYPE_CHECKING:
+    from zmq.auth.thread import ThreadAuthenticator
+
     from .config import Config
 
 log = logging.getLogger("prefetchd.control")  # a child of the daemon's logger: lands in daemon.log
@@ -164,6 +165,8 @@ def _serve_curve(context: zmq.Context, server: ControlServer, config: Config) ->
         load_authorized_keys(config.curve_authorized_keys)
     except ValueError as exc:  # config checked them already; the files changed since
         raise ConfigError(f"[daemon] curve keys: {exc}") from None
+    from zmq.auth.thread import ThreadAuthenticator  # here: it imports asyncio (~30 ms), CURVE only
+
     server.auth = ThreadAuthenticator(context, log=logging.getLogger("prefetchd.auth"))
     server.auth.start()
     # configure_curve reads the folder's *.key files again; had that failed it would log and

@@ -21,8 +21,8 @@ from prefetchd_client.layout import JobPaths
 
 from . import control
 from .config import build_config
-from .daemon import start_detached, stop_job
 from .datagen import make_image_folder
+from .launch import start_detached, stop_job
 from .sizes import format_size
 
 # The embedded default; configs/demo.toml is the same recipe as a file.

@@ -1,4 +1,4 @@
-"""The worker processes: spawn them, talk to them over their pipes, judge their liveness,
+"""The worker processes: start them, talk to them over their pipes, judge their liveness,
 bury the dead and start their replacements. What a death or a result means for the job
 (retries, budgets, the ledger) is the master's business; this module only reports them.
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from prefetchd_client.batchfile import FieldSpec
 
-from . import messages
+from . import messages, workerserver
 from .errors import DaemonStop, ExitCode, JobError
 from .job import Job
 from .raybridge import bridge_main
@@ -112,9 +112,9 @@ class WorkerPool:
         return [WorkerSlot(process, parent, kind="ray") for parent, _ in pipes]
 
     def _spawn(self) -> WorkerSlot:
-        ctx = multiprocessing.get_context("spawn")
-        parent_conn, child_conn = ctx.Pipe()
-        process = ctx.Process(
+        workerserver.start()  # usually running already (the daemon started it first thing)
+        parent_conn, child_conn = workerserver.CONTEXT.Pipe()
+        process = workerserver.CONTEXT.Process(
             target=worker_main,
             args=(self._spec_json, child_conn, self.job.config.worker_nice),
             daemon=True,

@@ -11,7 +11,6 @@ its two documented structs of four ints, and every call reports failure by its r
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import glob
 import importlib.util
 import os
@@ -41,6 +40,11 @@ lib = None  # the loaded libturbojpeg, after load() (the CLI and the master neve
 _local = threading.local()  # a TurboJPEG handle is not thread-safe: one per thread
 
 
+# The system's library by its usual names: dlopen searches the loader's paths itself, where
+# ctypes.util.find_library would run ldconfig and gcc (~150 ms, in every worker's start).
+SYSTEM_NAMES = ("libturbojpeg.so.0", "libturbojpeg.so", "libturbojpeg.dylib", "turbojpeg.dll")
+
+
 def candidates() -> list[str]:
     """libturbojpeg files to try: the one the ``turbojpeg`` wheel bundles, then the system's."""
     found = []
@@ -49,10 +53,7 @@ def candidates() -> list[str]:
         site = os.path.dirname(spec.origin)
         for folder in ("turbojpeg.libs", ".dylibs"):  # auditwheel / delocate put it there
             found += sorted(glob.glob(os.path.join(site, folder, "libturbojpeg*")))
-    system = ctypes.util.find_library("turbojpeg")
-    if system:
-        found.append(system)
-    return found
+    return found + list(SYSTEM_NAMES)
 
 
 def _bind(path: str):
@@ -82,12 +83,23 @@ def load() -> None:
             lib = _bind(path)
             return
         except (OSError, AttributeError) as exc:
+            if isinstance(exc, OSError) and path in SYSTEM_NAMES:
+                continue  # not installed: nothing to report
             tried.append(f"{path}: {str(exc)[:80] or type(exc).__name__}")
     raise ImportError(
         "decoder = 'turbojpeg' needs libjpeg-turbo 3's libturbojpeg"
         + (f" (not usable: {'; '.join(tried)})" if tried else "")
         + ": pip install turbojpeg (a wheel that bundles it), or use decoder = 'simplejpeg'"
     )
+
+
+def available() -> bool:
+    """Whether libturbojpeg 3 loads here."""
+    try:
+        load()
+    except ImportError:
+        return False
+    return True
 
 
 def library_path() -> str | None:

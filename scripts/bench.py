@@ -42,7 +42,6 @@ import math
 import multiprocessing
 import os
 import platform
-import random
 import shutil
 import signal
 import statistics
@@ -54,21 +53,22 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import bench_ray  # siblings in scripts/: python puts this file's folder first on sys.path
+import bench_coldstart  # siblings in scripts/: python puts this file's folder first on sys.path
+import bench_ray
 import bench_restart
 import numpy as np
 import PIL
 import psutil
 import torch
-from PIL import Image
+from bench_dataloader import JpegFolder
 from rich.console import Console
 from rich.table import Table
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from prefetchd import control
 from prefetchd.config import build_config, default_workers
-from prefetchd.daemon import start_detached, stop_job
 from prefetchd.datagen import make_image
+from prefetchd.launch import start_detached, stop_job
 from prefetchd.settings import DECODERS
 from prefetchd.transforms import ImagePipeline, resolve_decoder
 from prefetchd_client import PrefetchLoader
@@ -91,6 +91,8 @@ SYSTEM_NAMES = {
     "dataloader_fresh": "DataLoader persistent_workers=False",
 }
 ROWS = (
+    "cold_start",
+    "start",
     "throughput_rrc",
     "throughput_classic",
     "throughput_pillow",
@@ -130,6 +132,7 @@ class Settings:
     inprocess_images: int
     out: str
     quick: bool
+    dali_path: str | None  # where DALI was pip-installed (--target), for the cold-start row's peer
 
 
 def parse_args(argv: list[str] | None) -> Settings:
@@ -145,6 +148,7 @@ def parse_args(argv: list[str] | None) -> Settings:
     )
     p.add_argument("--burst-every", type=int, help="steps per burst of the bursty trainer [20; quick 4]")
     p.add_argument("--out", default="bench-out", help="folder for bench.json and bench_timeline.png")
+    p.add_argument("--dali-path", help="a folder DALI was installed in (pip install --target DIR nvidia-dali-cuda120)")
     a = p.parse_args(argv)
     q = a.quick
     s = Settings(
@@ -166,6 +170,7 @@ def parse_args(argv: list[str] | None) -> Settings:
         inprocess_images=32 if q else 300,
         out=a.out,
         quick=q,
+        dali_path=a.dali_path,
     )
     if s.images // s.batch_size < 2:
         p.error(f"--images {s.images} holds fewer than 2 batches of {s.batch_size}")
@@ -194,60 +199,6 @@ def make_dataset(folder: Path, images: int) -> tuple[list[tuple[str, int]], list
     with ProcessPoolExecutor(os.cpu_count() or 1, mp_context=multiprocessing.get_context("fork")) as pool:
         sizes = list(pool.map(_write_jpeg, jobs, chunksize=16))
     return files, sizes
-
-
-# ---------------------------------------------------------------- the DataLoader side, the usual way
-
-
-def _random_resized_crop(img: Image.Image) -> Image.Image:
-    """torchvision's RandomResizedCrop(224) algorithm on a fully decoded image. One
-    resize(box=) instead of crop() then resize(): the same pixels, never slower."""
-    w, h = img.size
-    for _ in range(10):
-        area = w * h * random.uniform(0.08, 1.0)
-        aspect = math.exp(random.uniform(math.log(3 / 4), math.log(4 / 3)))
-        cw, ch = round(math.sqrt(area * aspect)), round(math.sqrt(area / aspect))
-        if 0 < cw <= w and 0 < ch <= h:
-            x, y = random.randint(0, w - cw), random.randint(0, h - ch)
-            break
-    else:
-        cw, ch, x, y = w, h, 0, 0
-    return img.resize((224, 224), Image.Resampling.BILINEAR, box=(x, y, x + cw, y + ch))
-
-
-def _resize_short_random_crop(img: Image.Image) -> Image.Image:
-    """The classic scale augmentation: Resize(random 256..480) then RandomCrop(224)."""
-    w, h = img.size
-    short = random.randint(256, 480)
-    nw, nh = (short, int(short * h / w)) if w <= h else (int(short * w / h), short)
-    img = img.resize((nw, nh), Image.Resampling.BILINEAR)
-    x, y = random.randint(0, nw - 224), random.randint(0, nh - 224)
-    return img.crop((x, y, x + 224, y + 224))
-
-
-DATALOADER_AUGMENT: dict[str, Callable[[Image.Image], Image.Image]] = {
-    "rrc": _random_resized_crop,
-    "classic": _resize_short_random_crop,
-}
-
-
-class JpegFolder(Dataset):
-    """What a DataLoader user writes: PIL open + convert (full decode), the recipe, flip,
-    a uint8 HWC tensor. Written out rather than torchvision's, which is not a dependency."""
-
-    def __init__(self, files: list[tuple[str, int]], recipe: str):
-        self.files, self.augment = files, DATALOADER_AUGMENT[recipe]
-
-    def __len__(self) -> int:
-        return len(self.files)
-
-    def __getitem__(self, i: int) -> dict:
-        path, label = self.files[i]
-        with Image.open(path) as src:
-            img = self.augment(src.convert("RGB"))
-        if random.random() < 0.5:
-            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-        return {"image": torch.from_numpy(np.array(img)), "label": label}
 
 
 # ---------------------------------------------------------------- one run: what it owns
@@ -493,13 +444,12 @@ def _cpu_s(proc: psutil.Process) -> float:
     return t.user + t.system
 
 
-def _workers_of(pid: int) -> list[psutil.Process]:
-    """The live worker processes of a daemon master (its spawn children, not the resource tracker)."""
+def _workers_of(status: dict) -> list[psutil.Process]:
+    """The daemon's live worker processes, by the pids its status reports."""
     found = []
-    for child in psutil.Process(pid).children():
+    for pid in status.get("workers", {}).get("pids", []):
         with contextlib.suppress(psutil.Error):
-            if "spawn_main" in " ".join(child.cmdline()):
-                found.append(child)
+            found.append(psutil.Process(pid))
     return found
 
 
@@ -520,7 +470,7 @@ def cpu_snapshot(paths: JobPaths | None, pid: int | None) -> dict:
         return snap
     status = control.request_job(paths, {"op": "status"}) or {}
     snap["master_s"] = _cpu_s(psutil.Process(pid))
-    snap["workers_s"] = sum(_cpu_s(w) for w in _workers_of(pid))
+    snap["workers_s"] = sum(_cpu_s(w) for w in _workers_of(status))
     snap["produced_batches"] = status.get("totals", {}).get("produced")
     return snap
 
@@ -825,6 +775,35 @@ def summarize(results: dict, s: Settings) -> list[dict]:
             | {"target": target, "holds": holds, "values": values}
         )
 
+    cold = bench_coldstart.summary(results["cold_start"])
+    default, dl = cold[f"prefetchd_{s.decoder}"], cold["dataloader"]
+    shown = ("dataloader", f"prefetchd_{s.decoder}")
+    peers = {sy: f"{m['cold_ratio']:.2f}x" for sy, m in cold.items() if sy not in shown}
+    if isinstance(results["cold_start"]["runs"]["dali"], dict):
+        peers["dali"] = "not installed (--dali-path)"
+    row(
+        "cold_start",
+        f"cold start, {bench_coldstart.describe(results['cold_start'])}: end to end [from the first batch on] "
+        f"(img/s); other systems' end-to-end ratios: " + ", ".join(f"{sy} {r}" for sy, r in peers.items()),
+        f"{default['cold_images_per_s']:.0f} [{default['images_per_s']:.0f}]",
+        f"{dl['cold_images_per_s']:.0f} [{dl['images_per_s']:.0f}]",
+        f"{default['cold_ratio']:.2f}x [{default['ratio']:.2f}x]",
+        ">= 1.0x [>= 1.4x]",
+        default["cold_ratio"] >= 1.0 and default["ratio"] >= 1.4,
+        cold,
+    )
+    steps = results["cold_start"]["start_breakdown_s"]
+    row(
+        "start",
+        "`prefetchd start` returning, and from then to the first batch in hand (s); its steps, each alone: "
+        + ", ".join(f"{k} {v:.2f}" for k, v in steps.items()),
+        f"{default['start_s']:.2f} s, then {default['start_to_first_batch_s']:.2f} s",
+        f"first batch {dl['first_batch_s']:.2f} s",
+        "",
+        "<= 1 s, then <= 0.3 s",
+        default["start_s"] <= 1.0 and default["start_to_first_batch_s"] <= 0.3,
+        {"start_s": default["start_s"], "start_to_first_batch_s": default["start_to_first_batch_s"], "steps": steps},
+    )
     tp = {rc: {sy: med(x["images_per_s"] for x in v) for sy, v in results["throughput"][rc].items()} for rc in RECIPES}
     dl_best = {rc: max(tp[rc]["dataloader_persistent"], tp[rc]["dataloader_fresh"]) for rc in RECIPES}
     for recipe, goal in (("rrc", 1.4), ("classic", 2.0)):
@@ -1153,6 +1132,9 @@ def measure_all(run: Run) -> dict:
     run.files, sizes = make_dataset(run.data, s.images)
     results = {"settings": asdict(s), "environment": environment(s, sizes)}
     measure_client(run, results)
+    results["cold_start"] = bench_coldstart.measure_cold_start(
+        installed_decoders(), run.s.repeats, quick=run.s.quick, dali_path=run.s.dali_path, log=run.log
+    )
     measure_throughput(run, results)
     measure_trainers(run, results)
     measure_restart(run, results)

@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 
 from prefetchd.config import build_config
-from prefetchd.daemon import start_detached, stop_job
 from prefetchd.datagen import make_image_folder
+from prefetchd.launch import start_detached, stop_job
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.layout import JobPaths
 

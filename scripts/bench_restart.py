@@ -25,8 +25,8 @@ from pathlib import Path
 
 from prefetchd import control
 from prefetchd.config import build_config
-from prefetchd.daemon import start_detached, stop_job
 from prefetchd.datagen import make_image_folder
+from prefetchd.launch import start_detached, stop_job
 from prefetchd_client.layout import JobPaths
 
 BATCH = 32

@@ -15,6 +15,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 ROWS = {
+    "cold_start",
+    "start",
     "throughput_rrc",
     "throughput_classic",
     "throughput_pillow",
@@ -32,14 +34,14 @@ ROWS = {
 }
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(200)
 def test_quick_bench_reports_every_row_and_cleans_up(tmp_path):
     out = tmp_path / "out"
     result = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "bench.py"), "--quick", "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=170,
     )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     report = json.loads((out / "bench.json").read_text())
@@ -57,6 +59,16 @@ def test_quick_bench_reports_every_row_and_cleans_up(tmp_path):
             assert len(report["throughput"][recipe][system]) == 1
         assert all(len(v) == 1 for v in report["decoder_loops"][recipe].values())
     assert rows["partial_decode"]["holds"] is not None
+    # The cold start: `prefetchd start` timed as a user runs it, per installed decoder, against
+    # DataLoader (DALI's row says why it is absent where DALI is not installed).
+    cold = report["cold_start"]
+    assert {"dataloader", "prefetchd_turbojpeg", "prefetchd_simplejpeg", "prefetchd_pillow"} <= set(cold["runs"])
+    for decoder in ("turbojpeg", "simplejpeg", "pillow"):
+        (run,) = cold["runs"][f"prefetchd_{decoder}"]
+        assert 0 < run["start_s"] < run["first_batch_s"] and run["images"] == cold["images"] // 32 * 32 * cold["epochs"]
+    steps = cold["start_breakdown_s"]
+    assert len(steps) == 4 and set(steps) == set(rows["start"]["values"]["steps"])
+    assert not any(Path(p).exists() for p in cold["cleanup"])
     for kind in ("steady", "bursty"):
         assert report[kind]["prefetchd"][0]["timeline"]["buffer"], "no buffer samples for the timeline"
     assert set(report["restart"]) == {"prefetchd (warm)", "DataLoader fork"}
@@ -72,7 +84,7 @@ def test_quick_bench_reports_every_row_and_cleans_up(tmp_path):
     assert not Path(cleanup["root"]).exists() and not Path(cleanup["data"]).exists()
     leftovers = []
     for proc in psutil.process_iter(["cmdline"]):
-        if cleanup["root"] in " ".join(proc.info["cmdline"] or []):
+        if any(root in " ".join(proc.info["cmdline"] or []) for root in (cleanup["root"], cold["cleanup"][1])):
             leftovers.append(proc.pid)
     assert leftovers == []
 

@@ -26,9 +26,18 @@ def test_the_daemon_never_imports_torch():
 
 
 def test_the_client_needs_only_numpy_and_pyzmq():
-    modules = imported_after("import prefetchd_client")
+    modules = imported_after("from prefetchd_client import PrefetchLoader")
     assert {"numpy", "zmq"} <= modules
     assert not {"torch", "PIL", "prefetchd", "watchdog", "typer"} & modules
+
+
+def test_workers_and_the_command_pay_nothing_for_the_loader():
+    """The package's names load on first use: a worker and `prefetchd start` import parts of the
+    client (the batch format, the job's folders), never the loader, ZeroMQ's asyncio or Ray."""
+    for code in ("import prefetchd.worker", "import prefetchd.cli, prefetchd.launch"):
+        modules = imported_after(code)
+        assert not {"asyncio", "torch", "ray"} & modules, code
+    assert "zmq" not in imported_after("import prefetchd.worker")
 
 
 def test_no_pickle_where_a_peer_can_write():

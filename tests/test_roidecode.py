@@ -19,7 +19,7 @@ from PIL import Image, ImageFile
 from prefetchd import fastdecode, roidecode, tjlib
 
 pytestmark = pytest.mark.skipif(
-    tjlib.candidates() == [], reason="no libturbojpeg 3 here (the turbojpeg wheel is not installed)"
+    not tjlib.available(), reason="no libturbojpeg 3 here (the turbojpeg wheel is not installed)"
 )
 
 

@@ -19,6 +19,7 @@ from prefetchd import control
 from prefetchd_client.manifest import read_manifest
 
 from .conftest import start_job, write_config
+from .helpers import workers_of
 
 SOAK_S = float(os.environ.get("PREFETCHD_SOAK_S", 600))
 pytestmark = [pytest.mark.long, pytest.mark.timeout(SOAK_S + 300)]
@@ -61,7 +62,7 @@ def test_two_fast_ranks_for_ten_minutes_keep_every_process_flat(tmp_path, jpeg_f
             time.sleep(5)
             status = control.request(paths.endpoint, {"op": "status"}, timeout_s=10)
             assert status is not None, "the daemon stopped answering"
-            workers = master.children()
+            workers = workers_of(paths)  # not master.children(): they fork from the worker server
             clients = [psutil.Process(t.pid) for t in trainers if t.poll() is None]
             if len(clients) < 2:
                 break

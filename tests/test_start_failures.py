@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from prefetchd.config import load_config
-from prefetchd.daemon import start_detached
 from prefetchd.errors import JobError
+from prefetchd.launch import start_detached
 from prefetchd.plan import Plan
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.layout import JobPaths

@@ -216,7 +216,11 @@ def test_killed_workers_leave_no_temporary_file_and_the_files_never_exceed_the_b
     killed: list[int] = []
     loader = PrefetchLoader("job", as_tensors=False, timeout=60)
     with FileBytesSampler(paths) as sampler:
-        for _ in range(2):
+        # Epochs until the sampler has watched long enough: workers forked from the worker
+        # server are replaced in milliseconds, so two epochs can pass in well under a second.
+        for epoch in range(50):
+            if epoch >= 2 and sampler.samples > 100 and len(killed) >= 10:
+                break
             for _batch in loader:
                 live = workers_of(paths)
                 if live:  # kill -9 a worker, most likely mid-batch

@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from .errors import AuthError
 
@@ -142,6 +141,8 @@ def connect(socket: zmq.Socket, endpoint: str, curve: ClientCurve | None = None,
         socket.connect(endpoint)
         return True
     curve.apply(socket)
+    from zmq.utils.monitor import recv_monitor_message  # here: it imports asyncio (~30 ms), CURVE only
+
     monitor = socket.get_monitor_socket(_HANDSHAKE_EVENTS)
     try:
         socket.connect(endpoint)
