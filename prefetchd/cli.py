@@ -147,7 +147,7 @@ def start(
         if foreground:
             _serve_in_foreground(cfg, paths, keep)
             return
-        msg = start_detached(cfg, paths, keep=keep)
+        msg = start_detached(cfg, paths, keep=keep, launched=_take_early_daemon())
     except UserError as exc:
         raise _fail(exc) from None
     out.print(f"job {cfg.name} serving\njob dir: {msg['job_dir']}\npid: {msg['pid']}", highlight=False)
@@ -411,12 +411,32 @@ def bench(
     raise typer.Exit(subprocess.call([sys.executable, str(script), *args, "--out", str(out_dir), *ctx.args]))
 
 
+# `prefetchd start` without --foreground: main() launches the daemon process before typer
+# imports its parsers and reads the flags (launch.DaemonLaunch), and `start` hands it the job.
+_early_daemon: list = []
+
+
+def _take_early_daemon():
+    return _early_daemon.pop() if _early_daemon else None
+
+
+def _starts_a_daemon(args: list[str]) -> bool:
+    return args[:1] == ["start"] and not {"--foreground", "--help"} & set(args)
+
+
 def main() -> None:
+    if _starts_a_daemon(sys.argv[1:]):
+        from .launch import DaemonLaunch
+
+        _early_daemon.append(DaemonLaunch())
     try:
         app()
         code = 0
     except SystemExit as exc:
         code = exc.code
+    finally:
+        for unused in _early_daemon:  # a bad flag or config: `start` never got to hand it the job
+            unused.cancel()
     if not isinstance(code, int):  # None, or a message (which SystemExit prints, with code 1)
         if code is not None:
             print(code, file=sys.stderr)

@@ -85,9 +85,7 @@ def _without_a_removed_log(message: str, log: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prefetchd.daemon", description="internal: run one job's master")
-    parser.add_argument("--job-dir", required=True)
     parser.add_argument("--ready-fd", type=int, required=True)
-    parser.add_argument("--keep", action="store_true")
     args = parser.parse_args(argv)  # a bad command line: argparse's words on the early stderr
     ready = os.fdopen(args.ready_fd, "w")
     _let_go_of_early_stderr()
@@ -102,10 +100,17 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             pass  # `prefetchd start` is gone: nobody waits for the message
 
-    from .config import Config  # after _begin(): the worker server boots meanwhile
+    # Launched early (launch.DaemonLaunch): these imports run while the command still parses
+    # its flags, and the worker server boots meanwhile.
+    from . import startup  # noqa: F401
+    from .config import Config
 
     try:
-        config = Config.from_json(json.loads(sys.stdin.read()))
+        order = json.loads(sys.stdin.read())  # {"config", "job_dir", "keep"}; EOF: the command gave up
+        config = Config.from_json(order["config"])
+        job_dir, keep = order["job_dir"], order["keep"]
+        if not isinstance(job_dir, str) or type(keep) is not bool:
+            raise TypeError(f"job_dir {job_dir!r}, keep {keep!r}")
     except Exception as exc:  # noqa: BLE001 - whatever it is, the command must hear it
         unreadable = DaemonStop(
             f"the daemon could not read the config that `prefetchd start` passed it ({describe(exc)}); "
@@ -116,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         return unreadable.exit_code
     finally:
         sys.stdin.close()
-    return serve(config, JobPaths(Path(args.job_dir)), keep=args.keep, notify=notify, detach_output=True)
+    return serve(config, JobPaths(Path(job_dir)), keep=keep, notify=notify, detach_output=True)
 
 
 def _let_go_of_early_stderr() -> None:

@@ -10,6 +10,7 @@ the command pays only for what it runs.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -38,52 +39,93 @@ _MAX_MESSAGE_BYTES = 1 << 20  # the readiness line is ~100 bytes; a failure mess
 _DAEMON_ENTRY = "import sys; from prefetchd.daemon import main; sys.exit(main())"
 
 
-def start_detached(config: Config, paths: JobPaths, *, keep: bool = False, timeout_s: float = _START_TIMEOUT_S) -> dict:
-    """Start the daemon in its own session; return its readiness message or raise UserError:
-    the daemon's own error, rebuilt from its report, when it failed to start (never silence)."""
-    read_fd, write_fd = os.pipe()
-    cmd = [sys.executable, "-c", _DAEMON_ENTRY, "--ready-fd", str(write_fd), "--job-dir", str(paths.dir)]
-    if keep:
-        cmd.append("--keep")
-    # Its stderr until it can send a message (main() lets it go then): a crash before that,
-    # an import error say, leaves its last words here rather than on /dev/null.
-    with tempfile.TemporaryFile() as early_stderr:
-        proc = subprocess.Popen(
-            cmd,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=early_stderr,
-            pass_fds=(write_fd,),
-            start_new_session=True,
-        )
-        os.close(write_fd)
-        _send_config(proc, config)
+class DaemonLaunch:
+    """A daemon process, launched before its config is known.
+
+    ``prefetchd start`` launches it first thing (cli.main), so that the daemon's interpreter,
+    its imports and its worker server boot while the command itself imports and parses its
+    flags and config: two processes' start-up side by side instead of one after the other.
+    start_detached then sends it what it serves on stdin; cancel() ends one the command did
+    not use (a bad flag, --help). Until it reads its stdin it has made nothing but its own
+    processes, which end with it."""
+
+    def __init__(self) -> None:
+        self.ready_fd, write_fd = os.pipe()
+        # Its stderr until it can send a message (main() lets it go then): a crash before that,
+        # an import error say, leaves its last words here rather than on /dev/null.
+        self.early_stderr = tempfile.TemporaryFile()
         try:
-            line = _read_line(read_fd, timeout_s)
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _DAEMON_ENTRY, "--ready-fd", str(write_fd)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=self.early_stderr,
+                pass_fds=(write_fd,),
+                start_new_session=True,
+            )
+        except BaseException:
+            self.close()
+            raise
         finally:
-            os.close(read_fd)
+            os.close(write_fd)
+
+    def send(self, config: Config, paths: JobPaths, keep: bool) -> None:
+        order = {"config": config.to_json(), "job_dir": str(paths.dir), "keep": keep}
+        try:
+            self.proc.stdin.write(json.dumps(order).encode())
+            self.proc.stdin.close()
+        except BrokenPipeError:  # it died at once; the closed pipe, read next, says so
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+
+    def cancel(self) -> None:
+        """End it unused (its worker server and resource tracker follow it) and close our ends."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.close()
+
+    def close(self) -> None:
+        if self.ready_fd >= 0:
+            os.close(self.ready_fd)
+            self.ready_fd = -1
+        self.early_stderr.close()
+        if getattr(self, "proc", None) is not None and self.proc.stdin and not self.proc.stdin.closed:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+
+
+def start_detached(
+    config: Config,
+    paths: JobPaths,
+    *,
+    keep: bool = False,
+    timeout_s: float = _START_TIMEOUT_S,
+    launched: DaemonLaunch | None = None,
+) -> dict:
+    """Start the daemon in its own session (``launched`` early, or now); return its readiness
+    message or raise UserError: the daemon's own error, rebuilt from its report, when it failed
+    to start (never silence)."""
+    daemon = launched or DaemonLaunch()
+    proc = daemon.proc
+    try:
+        daemon.send(config, paths, keep)
+        line = _read_line(daemon.ready_fd, timeout_s)
         if line is None:
             proc.kill()
             proc.wait()
             raise JobError(f"the daemon did not become ready within {timeout_s:.0f} s; it was stopped")
         msg = _start_message(line)
         if msg is None:
-            raise JobError(_silent_exit(_wait_exit(proc, _EXIT_WAIT_S), early_stderr, paths))
+            raise JobError(_silent_exit(_wait_exit(proc, _EXIT_WAIT_S), daemon.early_stderr, paths))
+    finally:
+        daemon.close()
     if not msg["ok"]:
         _wait_exit(proc, _EXIT_WAIT_S)
         raise error_from_json(msg["error"])
     return msg
-
-
-def _send_config(proc: subprocess.Popen, config: Config) -> None:
-    try:
-        proc.stdin.write(json.dumps(config.to_json()).encode())
-        proc.stdin.close()
-    except BrokenPipeError:  # it died at once; the closed pipe, read next, says so
-        try:
-            proc.stdin.close()
-        except OSError:
-            pass
 
 
 def _start_message(line: bytes) -> dict | None:

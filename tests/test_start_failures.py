@@ -141,7 +141,7 @@ def test_the_daemon_reports_a_config_it_cannot_read_instead_of_dying_silently(jo
     read_fd, write_fd = os.pipe()
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "prefetchd.daemon", "--ready-fd", str(write_fd), "--job-dir", str(job_root / "job")],
+            [sys.executable, "-m", "prefetchd.daemon", "--ready-fd", str(write_fd)],
             input=stdin,
             capture_output=True,
             pass_fds=(write_fd,),
