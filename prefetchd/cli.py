@@ -10,14 +10,12 @@ import logging
 import os
 import stat
 import sys
-import time
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
-from rich.table import Table
 
 from prefetchd_client.errors import AuthError, UnsafeFolder
 from prefetchd_client.folders import OpenJob, open_job, open_private_dir
@@ -28,7 +26,6 @@ from prefetchd_client.manifest import VersionMismatch, check_manifest, read_mani
 from . import control, settings
 from .config import load_config
 from .errors import DaemonStop, ExitCode, JobError, UserError, error_from_json
-from .sizes import format_size
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Prefetch augmented training batches into a tmpfs buffer."
@@ -207,81 +204,38 @@ def _job_status(paths: JobPaths) -> dict:
     return {"state": "serving", "job_dir": str(paths.dir), **reply}
 
 
-def _print_status(s: dict) -> None:
-    try:
-        _print_status_fields(s)
-    except (KeyError, TypeError, ValueError, AttributeError):  # a daemon of ours never answers so
-        out.print(f"  the daemon's status reply is not what prefetchd sends: {escape(repr(s)[:200])}", highlight=False)
-
-
-def _print_status_fields(s: dict) -> None:
-    out.print(f"[bold]{s['job']}[/]: {s['state']}  ({s['job_dir']})", highlight=False)
-    if "error" in s:
-        out.print(f"  {escape(s['error'])}", highlight=False)
-    if s["state"] == "stopped":
-        code = s["exit_code"]
-        name = ExitCode(code).name if code in ExitCode._value2member_map_ else "unknown"
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(s["stopped_at"]))
-        out.print(
-            f"  exit code {code} ({name}) at {when}; fix the cause and start the job again, "
-            f"or remove its folder with `prefetchd stop {s['job']}`",
-            highlight=False,
-        )
-    if s["state"] != "serving":
-        return
-    b, r = s["buffer"], s["rates"]
-    out.print(
-        f"  pid {s['pid']}, up {s['uptime_s']:.0f} s; buffer {format_size(b['used_bytes'])} / "
-        f"{format_size(b['bound_bytes'])} (files {format_size(b['files_bytes'])}, "
-        f"peak {format_size(b['peak_bytes'])}, {b['pinned_batches']} consumed still mapped)\n"
-        f"  batch {format_size(b['batch_bytes'])}, "
-        f"window {b['window_per_rank']} batches per rank; ranks {s['served_ranks']} of {s['world_size']}",
-        highlight=False,
-    )
-    out.print(
-        f"  produced {r['produced_images_per_s']:.0f} img/s, consumed {r['consumed_images_per_s']:.0f} img/s; "
-        f"workers {s['workers']['busy']}/{s['workers']['count']} busy, {s['workers']['restarts']} restarts; "
-        f"{s['totals']['bad_samples']} bad samples replaced",
-        highlight=False,
-    )
-    ex = s.get("executor") or {}
-    if ex.get("kind") == "ray":  # the cluster's state, and why it was given up
-        state = f"lost ({ex['why']}); local workers only" if ex["state"] == "lost" else ex["state"]
-        shown = f"  ray at {ex['address']}: {state}; {ex['in_flight']}/{ex['slots']} in flight"
-        out.print(escape(shown), highlight=False)  # a Ray error's text may hold [brackets]
-    refused = s["totals"].get("refused") or {}
-    if refused:  # peer input dropped: a buggy or hostile trainer, a planted file (see the log)
-        shown = ", ".join(f"{n} {kind.replace('_', ' ')}{'s' if n != 1 else ''}" for kind, n in sorted(refused.items()))
-        out.print(f"  refused: {shown}", highlight=False)
-    table = Table("rank", "trainer", "epoch", "step", "ready", "in flight", "consumed", "last report", box=None)
-    for rk in s["ranks"]:
-        age = "never" if rk["last_report_s_ago"] is None else f"{rk['last_report_s_ago']:.1f} s ago"
-        columns = ("rank", "trainer", "epoch", "step", "ready", "in_flight", "consumed")
-        table.add_row(*(str(rk[k]) for k in columns), age)
-    out.print(table)
-
-
 @app.command()
 def status(
     job: Annotated[Optional[str], typer.Argument(help="Job name [default: every job under the root]")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON")] = False,
+    watch: Annotated[bool, typer.Option("--watch", help="A live view, refreshed every second; Ctrl-C quits")] = False,
     root: RootOpt = None,
 ) -> None:
-    """Show the buffer, each rank's position, and production and consumption rates."""
+    """Show the buffer, each rank's position and wait for data, and production and consumption rates."""
+    from . import statusview
+
+    if as_json and watch:
+        raise _fail(UserError("--json and --watch do not go together: --json prints once, for a program"))
     if job is not None:
         paths = _job_paths(job, root)
         _open_job(paths).close()  # a missing job, or one in folders not ours: its message, exit 4
-        jobs = [paths]
-    else:
-        jobs = _jobs_under(resolve_root(root))
-    reports = [_job_status(p) for p in jobs]
+    # Listed afresh at each refresh of --watch: jobs come and go.
+    fetch = (
+        (lambda: [_job_status(paths)])
+        if job is not None
+        else (lambda: list(map(_job_status, _jobs_under(resolve_root(root)))))
+    )
+    if watch:
+        statusview.watch(fetch, out)
+        return
+    reports = fetch()
     if as_json:
         print(json.dumps(reports[0] if job is not None else reports, indent=1))
         return
     if not reports:
         out.print(f"no jobs under {resolve_root(root)}")
     for s in reports:
-        _print_status(s)
+        out.print(statusview.render(s), highlight=False)
 
 
 def _jobs_under(base: Path) -> list[JobPaths]:

@@ -94,6 +94,7 @@ class Config:
     endpoint: str
     curve_secret_key: str | None
     curve_authorized_keys: str | None
+    metrics: str | None  # HOST:PORT of the /metrics server, None: off
     sources: tuple[dict, ...]
     mix: str
     transforms: tuple[dict, ...]

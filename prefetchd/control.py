@@ -10,7 +10,9 @@ server's public key (``endpoint``, ``curve_public_key``); clients find both ther
 The daemon binds a ROUTER socket. Peers send one JSON object per message (at most
 MAX_MESSAGE_BYTES; ZeroMQ drops larger ones before they are read):
 
-    {"op": "position", "rank": R, "epoch": E, "step": K}   trainer heartbeat, no reply
+    {"op": "position", "rank": R, "epoch": E, "step": K}   trainer heartbeat, no reply; optionally
+        + "wait_s", "waited_steps", "steps", "loader"      the trainer's waits for data, all four
+                                                            (prefetchd_client.waits)
     {"op": "status"}                                        reply: the status object
     {"op": "stop", "keep": bool}                            reply: {"ok": true}
     {"op": "ping"}                                          reply: {"ok": true, "pid": P}
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -48,12 +51,14 @@ MAX_MESSAGE_BYTES = 64 * 1024
 HANDSHAKE_TIMEOUT_MS = 2000  # ZeroMQ's default is 30 s; a CURVE handshake here takes milliseconds
 MAX_MESSAGES_PER_TURN = 256  # a flood of messages cannot starve the master's other duties
 _SCHEMA = {
-    "position": {"rank": int, "epoch": int, "step": int, "pid": int},
+    "position": {"rank": int, "epoch": int, "step": int, "pid": int}
+    | {"wait_s": float, "waited_steps": int, "steps": int, "loader": int},
     "status": {},
     "stop": {"keep": bool},
     "ping": {},
 }
 _REQUIRED = {"position": {"rank", "epoch", "step"}}
+WAIT_FIELDS = frozenset({"wait_s", "waited_steps", "steps", "loader"})  # all or none (prefetchd.stalls checks them)
 
 
 class BadMessage(ValueError):
@@ -77,13 +82,25 @@ def decode_message(data: bytes) -> dict:
     for key, value in msg.items():
         if key == "op":
             continue
-        kind = schema.get(key)
-        if kind is None or type(value) is not kind or (kind is int and value < 0):
+        if not _fits(schema.get(key), value):
             raise BadMessage(f"{msg['op']}: bad or unknown field {key!r}")
     missing = _REQUIRED.get(msg["op"], set()) - set(msg)
     if missing:
         raise BadMessage(f"{msg['op']}: missing {sorted(missing)}")
+    if msg["op"] == "position" and not WAIT_FIELDS.isdisjoint(msg) and not WAIT_FIELDS <= set(msg):
+        raise BadMessage(f"position: the wait fields come all together: {sorted(WAIT_FIELDS)}")
     return msg
+
+
+def _fits(kind: type | None, value) -> bool:
+    """A field's value is of its schema type: an int is never a bool, and is not negative; a
+    float may be written as an int, and is finite and not negative (Python's JSON reads NaN
+    and Infinity)."""
+    if kind is int:
+        return type(value) is int and value >= 0
+    if kind is float:
+        return type(value) in (int, float) and 0 <= value < math.inf  # NaN fails both comparisons
+    return kind is not None and type(value) is kind
 
 
 @dataclass

@@ -7,20 +7,28 @@ stdin and answers on the ``--ready-fd`` pipe with one JSON line: readiness or wh
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import select
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from prefetchd_client.layout import JobPaths
 
-from . import workerserver
-from .errors import DaemonStop, ExitCode, UserError, describe, start_failure, to_json
+from . import sdnotify, workerserver
+from .errors import DaemonStop, ExitCode, JobError, UserError, describe, start_failure, to_json
 
 if TYPE_CHECKING:
     from .config import Config
+
+# How long a launched daemon waits for its job on stdin. `prefetchd start` sends it once it has
+# parsed its flags and read its config (well under a second); a command stopped (Ctrl-Z) or hung
+# for longer gets the daemon's refusal when it goes on.
+ORDER_TIMEOUT_S = 120.0
 
 
 def serve(
@@ -28,7 +36,7 @@ def serve(
     paths: JobPaths,
     *,
     keep: bool,
-    notify: Callable[[dict], None],
+    notify: Callable[[dict], bool | None],
     detach_output: bool,
     on_stop: Callable[[DaemonStop], None] | None = None,
 ) -> int:
@@ -37,32 +45,43 @@ def serve(
     ``notify`` hears once: the readiness message, or why the start failed, the error as data
     (an unforeseen exception too: ExitCode.INTERNAL, naming it). ``on_stop(stop)`` hears the
     DaemonStop of a daemon that served and stopped with a non-zero code (the foreground
-    command says it).
+    command says it). A service manager in the environment ($NOTIFY_SOCKET: `start
+    --foreground` under systemd) hears READY=1 once the manifest is written and the socket
+    bound, the master loop's watchdog beats, and STOPPING=1 (sdnotify.py).
     """
-    _begin()  # main() did already; `start --foreground` comes straight here
+    manager = _begin()  # main() did already (and a detached daemon has no manager); `start --foreground` comes here
     from .startup import start_master  # the master's machinery: imported while the server boots
 
+    def announce() -> bool:  # the start's last step: the job serves only once the command has heard it
+        if detach_output:  # from now on stray output (a crash) lands in the job's log
+            fd = os.open(paths.log, os.O_WRONLY | os.O_APPEND)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            os.close(fd)
+        return notify({"ok": True, "pid": os.getpid(), "job_dir": str(paths.dir)}) is not False
+
     try:
-        master = start_master(config, paths, keep=keep)
+        master = start_master(config, paths, keep=keep, announce=announce)
     except Exception as exc:  # a bug or the unforeseen too: still one clear message, never silence
         return _refuse_start(notify, paths, start_failure(exc, paths.log))
-    if detach_output:  # from now on stray output (a crash) lands in the job's log
-        fd = os.open(paths.log, os.O_WRONLY | os.O_APPEND)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-    notify({"ok": True, "pid": os.getpid(), "job_dir": str(paths.dir)})
-    code = master.run()
+    manager.ready(f"serving job {paths.name} at {paths.dir}")
+    try:
+        code = master.run(manager)
+    finally:
+        manager.close()
     if code and on_stop is not None:
         on_stop(master.stop_reason)
     return code
 
 
-def _begin() -> None:
-    """The daemon process's first steps, done once: the umask, then the worker server, which
-    boots (imports) beside the daemon's own start-up and whose workers inherit the umask."""
+def _begin() -> sdnotify.Notifier:
+    """The daemon process's first steps, done once: the umask, the service manager's variables
+    taken out of the environment, then the worker server, which boots (imports) beside the
+    daemon's own start-up and whose workers inherit the umask but never $NOTIFY_SOCKET."""
     os.umask(0o077)  # whatever the daemon or a library creates (the socket, logs) is the user's alone
+    manager = sdnotify.Notifier.from_environment()  # silent on a second call: the variables are gone
     workerserver.start()
+    return manager
 
 
 def _refuse_start(notify: Callable[[dict], None], paths: JobPaths, error: UserError) -> int:
@@ -89,16 +108,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)  # a bad command line: argparse's words on the early stderr
     ready = os.fdopen(args.ready_fd, "w")
     _let_go_of_early_stderr()
-    _begin()  # after the early stderr is let go: the worker server would hold it open for good
+    # After the early stderr is let go: the worker server would hold it open for good. A detached
+    # daemon notifies no service manager: $NOTIFY_SOCKET, if any, is only taken from its workers.
+    _begin()
 
-    def notify(msg: dict) -> None:
+    def notify(msg: dict) -> bool:
+        """Whether the message reached `prefetchd start` (False: it is gone, nobody waits)."""
         if ready.closed:
-            return
+            return False
         try:
             ready.write(json.dumps(msg) + "\n")
             ready.close()
         except OSError:
-            pass  # `prefetchd start` is gone: nobody waits for the message
+            with contextlib.suppress(OSError):
+                ready.close()
+            return False
+        return True
 
     # Launched early (launch.DaemonLaunch): these imports run while the command still parses
     # its flags, and the worker server boots meanwhile.
@@ -106,11 +131,15 @@ def main(argv: list[str] | None = None) -> int:
     from .config import Config
 
     try:
-        order = json.loads(sys.stdin.read())  # {"config", "job_dir", "keep"}; EOF: the command gave up
+        order = json.loads(_read_order())  # {"config", "job_dir", "keep"}; EOF: the command gave up
         config = Config.from_json(order["config"])
         job_dir, keep = order["job_dir"], order["keep"]
         if not isinstance(job_dir, str) or type(keep) is not bool:
             raise TypeError(f"job_dir {job_dir!r}, keep {keep!r}")
+    except TimeoutError as exc:  # the command stopped or hung before it sent the job: say so, end
+        late = JobError(f"{exc}; the daemon gave up, nothing was started: run `prefetchd start` again")
+        notify({"ok": False, "error": to_json(late)})
+        return late.exit_code
     except Exception as exc:  # noqa: BLE001 - whatever it is, the command must hear it
         unreadable = DaemonStop(
             f"the daemon could not read the config that `prefetchd start` passed it ({describe(exc)}); "
@@ -122,6 +151,22 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         sys.stdin.close()
     return serve(config, JobPaths(Path(job_dir)), keep=keep, notify=notify, detach_output=True)
+
+
+def _read_order(timeout_s: float | None = None) -> bytes:
+    """All of stdin, the job order `prefetchd start` sends once its flags and config are read;
+    TimeoutError when it has not come within ``timeout_s`` (a command stopped, or hung, before
+    it sent it: the launched daemon must not wait for it for ever)."""
+    timeout_s = ORDER_TIMEOUT_S if timeout_s is None else timeout_s
+    fd, data, deadline = sys.stdin.fileno(), b"", time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise TimeoutError(f"`prefetchd start` sent no job within {timeout_s:.0f} s of launching the daemon")
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            return data
+        data += chunk
 
 
 def _let_go_of_early_stderr() -> None:

@@ -25,6 +25,7 @@ from .errors import DaemonStop
 from .job import Job
 from .policy import Refusals
 from .progress_watch import BadProgressFile, ProgressWatcher
+from .stalls import BadWaits, StallLedger
 
 log = logging.getLogger("prefetchd")
 
@@ -44,6 +45,7 @@ class PeerIntake:
         self.served = job.config.served_ranks
         self.trainers = dict.fromkeys(self.served, "never")  # per rank served: "alive", "gone" or "never"
         self.last_report: dict[int, float] = {}  # per rank: when its position last arrived
+        self.stalls = StallLedger()  # per rank: the trainer's waits for data, when its reports carry them
         self._next_trainer_check = 0.0
 
     def refuse(self, kind: str, why: str) -> None:
@@ -67,6 +69,15 @@ class PeerIntake:
         self.last_report[rank] = time.monotonic()
         return plan.linear(epoch, step)
 
+    def note_waits(self, msg: dict) -> None:
+        """Add a position report's wait totals to its rank's (a refusal leaves the position applied)."""
+        try:
+            self.stalls.note(
+                msg["rank"], msg["loader"], msg["wait_s"], msg["waited_steps"], msg["steps"], time.monotonic()
+            )
+        except BadWaits as exc:
+            self.refuse("waits", str(exc))
+
     def serve_control(self, move: Callable[[int, int], None], answer: Callable[[dict], dict]) -> None:
         """Handle the control messages waiting, at most MAX_MESSAGES_PER_TURN (a flood cannot
         starve the workers): a position goes to ``move(rank, index)``, any other op to ``answer``,
@@ -85,6 +96,8 @@ class PeerIntake:
                 msg = control.decode_message(data)
                 if msg["op"] == "position":
                     move(msg["rank"], self.check_position(msg["rank"], msg["epoch"], msg["step"]))
+                    if "loader" in msg:  # its waits too (all four fields: control checked)
+                        self.note_waits(msg)
                     continue
                 reply = answer(msg)
             except control.BadMessage as exc:

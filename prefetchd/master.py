@@ -20,7 +20,7 @@ import zmq
 
 from prefetchd_client.layout import MAX_EPOCH
 
-from . import messages
+from . import messages, scrapes, sdnotify
 from .buffer import Buffer
 from .errors import DaemonStop, ExitCode
 from .intake import PeerIntake
@@ -55,20 +55,23 @@ class Master:
         self.samples = BadSampleBudget(cfg.max_bad_rate, log_path)
         self.no_space = NoSpaceBackoff()
         self.produced = 0
+        self.worker_restarts = 0  # workers that died and were replaced since the start
         self.produced_per_source = [0] * len(job.source_names)
         self.produce_rate, self.consume_rate = Rates(), Rates()
         self._context = context
         self._signals: collections.deque[int] = collections.deque()
         self._poller: zmq.Poller | None = None
         self._descriptor_warnings = 0
+        self.metrics = scrapes.NOT_SERVED  # with --metrics, a metrics_http.MetricsServer (startup sets it)
 
     # -- the loop ------------------------------------------------------------------------
 
-    def run(self) -> int:
+    def run(self, notifier: sdnotify.Notifier = sdnotify.SILENT) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda signum, frame: self._signals.append(signum))  # the loop acts on it
         try:
             while self.stop_reason is None:
+                notifier.beat()  # from this thread: a loop that hangs stops the beats (sdnotify.py)
                 if self._signals:
                     log.info("signal %d: stopping", self._signals.popleft())
                     self.stop_reason = DaemonStop("signal", ExitCode.OK)
@@ -84,6 +87,7 @@ class Master:
         except Exception as exc:  # a bug: log it fully, stop cleanly
             log.exception("internal error")
             self.stop_reason = DaemonStop(f"internal error: {exc!r}; see {self.paths.log}", ExitCode.INTERNAL)
+        notifier.stopping(f"stopping: {self.stop_reason}")
         self.shutdown()
         return self.stop_reason.exit_code
 
@@ -92,7 +96,7 @@ class Master:
         if self._poller is None or self.pool.changed:  # built again only when a worker was replaced
             self._poller = zmq.Poller()
             self._poller.register(self.intake.server.socket, zmq.POLLIN)
-            for handle in self.pool.wait_handles():  # a worker's message, or its death
+            for handle in self.pool.wait_handles() + self.metrics.wait_handles():  # a worker's message or death
                 self._poller.register(handle, zmq.POLLIN)
             self.pool.changed = False
         self._poller.poll(_LOOP_TICK_MS)
@@ -106,6 +110,7 @@ class Master:
         self.intake.check_trainers(now, self._trainer_gone)
         self.buffer.free_retired(now)
         self.assign_tasks(now)
+        self.metrics.answer(self.status)  # /metrics scrapes waiting: their snapshot is taken on this thread
 
     def _wait_for_descriptors(self, exc: OSError) -> None:
         """Out of file descriptors (peers holding connections open, say): back off and go on.
@@ -116,12 +121,8 @@ class Master:
         """
         self._descriptor_warnings += 1
         if self._descriptor_warnings <= _DESCRIPTOR_WARNINGS_LOGGED or self._descriptor_warnings % 100 == 0:
-            log.warning(
-                "out of file descriptors (%s; %d times so far); pausing %.1f s",
-                exc.strerror,
-                self._descriptor_warnings,
-                _OUT_OF_DESCRIPTORS_S,
-            )
+            n, pause = self._descriptor_warnings, _OUT_OF_DESCRIPTORS_S
+            log.warning("out of file descriptors (%s; %d times so far); pausing %.1f s", exc.strerror, n, pause)
         time.sleep(_OUT_OF_DESCRIPTORS_S)
 
     # -- peers ---------------------------------------------------------------------------
@@ -205,7 +206,6 @@ class Master:
     def _replace_dead_workers(self, now: float) -> None:
         """Account for each dead worker (its last reports, its files, its task, the restart
         budget), then start its replacement."""
-        counted = set()  # the Ray bridge's slots share its process: one death, not one per slot
         for slot in self.pool.newly_dead():
             self._take_results(slot)  # it may have reported before dying
             code = self.pool.bury(slot)
@@ -215,9 +215,11 @@ class Master:
                 raise DaemonStop(
                     f"a worker exited with code {code} before it booted; see {self.paths.log}", ExitCode.WORKER_BOOT
                 )
-            if slot.pid not in counted:
-                counted.add(slot.pid)
+            charged = self.pool.charge_death(slot)  # once per death: a Ray bridge's slots, a fork server's workers
+            if charged:
                 self.restarts.note_death(now, code)
+            if charged or slot.kind == "local":  # every local worker replaced, the Ray bridge once
+                self.worker_restarts += 1
                 log.warning("worker pid %d died (exit code %s); starting a new one", slot.pid, code)
             slot.reaped = True  # last: a turn cut short above (out of descriptors) accounts for it again
         self.pool.respawn_buried()
@@ -258,11 +260,8 @@ class Master:
                 if gave_way is None:
                     return
                 self.buffer.delete(*gave_way, now)
-                log.info(
-                    "the buffer was full with a batch missing before ready ones: deleted batch %s, the farthest "
-                    "ahead, to make the missing one first",
-                    self.job.batch_name(*gave_way),
-                )
+                log.info("the buffer was full with a batch missing before ready ones: deleted batch %s, the "
+                         "farthest ahead, to make the missing one first", self.job.batch_name(*gave_way))
                 task = scheduler.next_task()
                 if task is None:
                     return  # its slot is still mapped by a client: freed within a tick
@@ -277,6 +276,7 @@ class Master:
     # -- stopping ------------------------------------------------------------------------
 
     def shutdown(self) -> None:
+        self.metrics.close()  # before the lock goes: a start right after this one finds the port free
         self.pool.halt()
         self.intake.close()
         self._context.term()

@@ -199,7 +199,7 @@ class NoSpaceBackoff:
 
 
 class Refusals:
-    """Peer input refused, counted by kind ("message", "position", "progress_file",
+    """Peer input refused, counted by kind ("message", "position", "waits", "progress_file",
     "trainer_lock"). The first few of each kind are logged with the reason, then one line a
     minute with the counts: a peer repeating a bad file or message cannot grow the log (it
     lives on the tmpfs, outside the bound)."""

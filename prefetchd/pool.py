@@ -34,6 +34,10 @@ log = logging.getLogger("prefetchd")
 WORKER_BOOT_TIMEOUT_S = 120.0
 _LOCAL_RAY_STORE_BYTES = 1 << 30
 _WORKER_STOP_TIMEOUT_S = 5.0
+_SPAWN_ATTEMPTS = 5  # a fork server killed during a spawn is started again; one that always dies is not
+_LOST_WITH_SERVER = 255  # multiprocessing's exit code for a worker whose fork server went away
+_SERVER_EXIT_S = 1.0  # a killed server's exit shows within milliseconds; a worker that exits 255 itself waits this
+_CHARGED_REMEMBERED = 256  # deaths charged lately, by process: the workers of one server die over several turns
 
 
 @dataclass
@@ -51,6 +55,7 @@ class WorkerSlot:
     hung: bool = False  # killed by kill_hung: a hang of its task counts as a failed attempt
     reaped: bool = False  # its death is accounted for, its replacement maybe not yet spawned
     kind: str = "local"  # or "ray": a relay of the Ray bridge, whose process it shares
+    server: int | None = None  # pid of the fork server a local worker came from
 
     @property
     def pid(self) -> int:
@@ -79,6 +84,7 @@ class WorkerPool:
         self.changed = True  # slots were replaced since the master last registered their pipes
         self.ray_booted = False  # the bridge has connected once: a later failure loses Ray, not the start
         self.ray_lost: str | None = None  # why the Ray cluster was given up
+        self._charged: dict[tuple[str, int], None] = {}  # deaths counted lately, oldest first (charge_death)
 
     def spawn_all(self) -> None:
         for _ in range(self.job.config.workers):
@@ -112,18 +118,34 @@ class WorkerPool:
         return [WorkerSlot(process, parent, kind="ray") for parent, _ in pipes]
 
     def _spawn(self) -> WorkerSlot:
-        workerserver.start()  # usually running already (the daemon started it first thing)
-        parent_conn, child_conn = workerserver.CONTEXT.Pipe()
-        process = workerserver.CONTEXT.Process(
-            target=worker_main,
-            args=(self._spec_json, child_conn, self.job.config.worker_nice),
-            daemon=True,
-            name="prefetchd-worker",
+        for _ in range(_SPAWN_ATTEMPTS):
+            workerserver.unstick()  # a stopped server would block this spawn for good
+            workerserver.start()  # usually running already (the daemon started it first thing)
+            server = workerserver.server_pid()
+            parent_conn, child_conn = workerserver.CONTEXT.Pipe()
+            process = workerserver.CONTEXT.Process(
+                target=worker_main,
+                args=(self._spec_json, child_conn, self.job.config.worker_nice),
+                daemon=True,
+                name="prefetchd-worker",
+            )
+            try:
+                process.start()
+            except (EOFError, ConnectionError) as exc:  # the fork server died during the spawn (killed)
+                parent_conn.close()
+                child_conn.close()
+                log.warning("the fork server (pid %s) died starting a worker (%r); starting it again", server, exc)
+                if server is not None:
+                    workerserver.await_death(server)
+                continue
+            child_conn.close()
+            self.changed = True
+            return WorkerSlot(process, parent_conn, server=server)
+        raise DaemonStop(
+            f"the fork server that workers start from died {_SPAWN_ATTEMPTS} times in a row while starting a "
+            f"worker; see {self.job.paths.log}",
+            ExitCode.WORKER_BOOT,
         )
-        process.start()
-        child_conn.close()
-        self.changed = True
-        return WorkerSlot(process, parent_conn)
 
     def await_first(self) -> list[FieldSpec]:
         """Wait for one worker of each kind to boot (the Ray bridge too: a cluster that cannot be
@@ -219,6 +241,9 @@ class WorkerPool:
             why = self._hang(slot, now)
             if why is None:
                 continue
+            if slot.kind == "local" and workerserver.unstick():  # its death could not be reported
+                log.warning("the fork server was stopped (SIGSTOP); killed it, its workers are replaced")
+                return
             timeout = self.job.config.worker_timeout
             log.warning("worker pid %d %s (--worker-timeout %g s); killing it", slot.pid, why, timeout)
             slot.hung = True
@@ -243,7 +268,28 @@ class WorkerPool:
         """It ended by itself before it booted: started again, it would end again. Killed by a
         signal (code < 0) is a death like any other; so is a bridge that lost its cluster."""
         lost = slot.kind == "ray" and self.ray_lost is not None
-        return not slot.ready and code is not None and code >= 0 and not lost
+        return not slot.ready and code is not None and code >= 0 and not lost and not self._died_with_server(slot)
+
+    @staticmethod
+    def _died_with_server(slot: WorkerSlot) -> bool:
+        """Whether a local worker died with its fork server (kill -9 of the server). multiprocessing
+        then reports exit code 255, as soon as the server's socket closes: a moment before the
+        kernel reports the server's own exit, which is given that moment to show."""
+        if slot.kind != "local" or slot.server is None or slot.process.exitcode != _LOST_WITH_SERVER:
+            return False
+        return workerserver.died(slot.server, within_s=_SERVER_EXIT_S)
+
+    def charge_death(self, slot: WorkerSlot) -> bool:
+        """Whether this death counts against the restart budget: once per process that died. The
+        Ray bridge's slots share its process, and the workers killed with their fork server
+        (kill -9 of it) die of that one death: on a node of 40 workers it must not count 40."""
+        death = ("fork server", slot.server) if self._died_with_server(slot) else ("process", slot.pid)
+        if death in self._charged:
+            return False
+        self._charged[death] = None
+        while len(self._charged) > _CHARGED_REMEMBERED:
+            self._charged.pop(next(iter(self._charged)))  # the oldest: its pid may be reused one day
+        return True
 
     def newly_dead(self) -> list[WorkerSlot]:
         """Dead workers whose death the master has not accounted for yet."""

@@ -19,6 +19,7 @@ Files that are not 8-bit lossy YCbCr or greyscale JPEGs go through Pillow.
 from __future__ import annotations
 
 import numpy as np
+from PIL import Image
 
 from prefetchd import fastdecode, tjlib
 from prefetchd.tjlib import Region, ScalingFactor, get
@@ -50,7 +51,8 @@ def jpeg_size(data: bytes) -> tuple[int, int] | None:
 def decode_resampled(data: bytes, size: tuple[int, int], box, out_w: int, out_h: int) -> np.ndarray:
     """The region ``box`` (source pixels) of the JPEG ``data`` at ``out_w`` x ``out_h``, uint8 RGB,
     decoding only that region. The same contract as fastdecode.decode_resampled: ValueError
-    when libjpeg-turbo cannot decode it, Image.DecompressionBombError past Pillow's limit."""
+    when libjpeg-turbo cannot decode it, Image.DecompressionBombError past Pillow's limit, and
+    also for a file of more than tjlib.MAX_SCANS scans (never handed to Pillow)."""
     fastdecode.check_pixels(size)
     shrink = fastdecode.dct_shrink(box, out_w, out_h)
     (scaled_w, scaled_h), (left, top, right, bottom) = fastdecode.scaled_box(size, shrink, box)
@@ -63,7 +65,12 @@ def decode_resampled(data: bytes, size: tuple[int, int], box, out_w: int, out_h:
     rx, ry, rw, rh = _set_region(h, shrink, left, top, right, bottom) or (0, 0, scaled_w, scaled_h)
     pixels = np.empty((rh, rw, 3), np.uint8)
     if tjlib.lib.tj3Decompress8(h, data, len(data), pixels.ctypes.data, rw * 3, tjlib.TJPF_RGB) != 0:
-        raise tjlib.failed(h, "decode the JPEG")
+        error = tjlib.failed(h, "decode the JPEG")
+        if data.count(b"\xff\xda") > tjlib.MAX_SCANS:  # SOS markers (an APPn or COM may hold a few more)
+            # Not a ValueError: Pillow, which would decide next, has no scan limit and would spend
+            # minutes on it (the denial of service that TJPARAM_SCANLIMIT is there to stop).
+            raise Image.DecompressionBombError(f"{error}; the JPEG has more than {tjlib.MAX_SCANS} scans") from None
+        raise error
     return fastdecode.resample(pixels[top - ry : bottom - ry, left - rx : right - rx], out_w, out_h)
 
 

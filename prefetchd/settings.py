@@ -11,7 +11,9 @@ checks them, ``--data`` replaces the only source's folder.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
@@ -146,6 +148,33 @@ def parse_resources(value) -> dict[str, float]:
             raise ValueError(f"{name[:40]!r} is not a custom resource name (each task takes 1 CPU already)")
         resources[name] = float(amount)
     return resources
+
+
+_METRICS_FORMS = (
+    "HOST:PORT, :PORT or PORT with PORT 1-65535 (e.g. 127.0.0.1:9464; 0.0.0.0:9464 for every interface; "
+    "IPv6 in brackets: [::1]:9464)"
+)
+_HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")  # a DNS name or an IPv4 address
+
+
+def parse_metrics_address(value) -> str:
+    """``--metrics`` as ``"HOST:PORT"`` (``"[V6]:PORT"``); a bare ``:PORT`` or ``PORT`` (an int in TOML)
+    is loopback, 127.0.0.1. Only the form is checked here: the host is resolved, and the port
+    bound, by the daemon's start-up (prefetchd.metrics_http). ValueError says what is accepted."""
+    text = str(value) if type(value) is int else value
+    if len(text) > 270 or not text.isprintable() or not text.isascii():  # a name is at most 253 bytes
+        raise ValueError(f"expected {_METRICS_FORMS}, got {text[:60]!r}{' (cut)' if len(text) > 60 else ''}")
+    host, colon, port = text.rpartition(":") if ":" in text else ("", "", text)
+    if host.startswith("[") and host.endswith("]"):
+        try:
+            host = f"[{ipaddress.IPv6Address(host[1:-1])}]"
+        except ValueError:
+            raise ValueError(f"{host!r} is not an IPv6 address; expected {_METRICS_FORMS}") from None
+    elif host and not _HOST_NAME.fullmatch(host):
+        raise ValueError(f"{host[:60]!r} is not a host name or IP address; expected {_METRICS_FORMS}")
+    if not re.fullmatch(r"[0-9]{1,5}", port) or not 1 <= int(port) <= 65535:
+        raise ValueError(f"the port must be a number from 1 to 65535, got {port[:60]!r}; expected {_METRICS_FORMS}")
+    return f"{host or '127.0.0.1'}:{int(port)}"
 
 
 def _at_least(n: int) -> Rule:
@@ -318,6 +347,15 @@ SETTINGS: tuple[Setting, ...] = (
         rules=((lambda v: v != "", "the path of a folder of client public certificates"),),
         metavar="DIR",
         type_text="path",
+    ),
+    Setting(
+        "daemon", "metrics", (str, int),
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (pip install 'prefetchd[metrics]'; "
+        "docs/operations.md): HOST:PORT, or :PORT / PORT for 127.0.0.1; another host only when given, and "
+        "everyone who can reach it reads the job's metrics",
+        check=parse_metrics_address,
+        metavar="HOST:PORT",
+        type_text="address",
     ),
     # -- one key each: the epoch rule of weighted sources, your own per-sample code
     Setting(

@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable
 
 import zmq
 
@@ -14,7 +15,7 @@ from prefetchd_client.layout import JobPaths
 from . import control
 from .buffer import Buffer
 from .config import Config
-from .errors import start_failure
+from .errors import JobError, start_failure
 from .intake import PeerIntake
 from .job import build_job, fit_layout, write_manifest
 from .jobdir import JobDir
@@ -28,23 +29,31 @@ from .sizes import format_size
 log = logging.getLogger("prefetchd")
 
 
-def start_master(config: Config, paths: JobPaths, *, keep: bool = False) -> Master:
+def start_master(
+    config: Config, paths: JobPaths, *, keep: bool = False, announce: Callable[[], bool] | None = None
+) -> Master:
     """Lock the job, index the data, boot workers, bind the socket, write the manifest; the
     Master, every part built.
 
     A start that fails removes only what it made (JobDir.remove_what_this_start_made): a
-    killed daemon's warm buffer survives a typo in --data, and its log, kept, says why."""
+    killed daemon's warm buffer survives a typo in --data, and its log, kept, says why.
+    ``announce()``, the last step, tells `prefetchd start` the job serves; False (the command
+    is gone: killed, interrupted) fails the start too: the user saw no job start, so none serves."""
     started_at = time.time()  # status's uptime and the manifest's started_at count the start-up too
     jobdir = JobDir(paths)
     jobdir.note_existing()
     jobdir.acquire()  # raises without touching anything if another daemon runs
-    context = pool = server = watcher = None
+    context = pool = server = watcher = metrics = None
     try:
         context = zmq.Context()  # inside: a start that fails here still removes the folder it made
         jobdir.prepare()
         log_to(paths.log)
         raise_descriptor_limit()
         log.info("starting job %s (pid %d): %s", paths.name, os.getpid(), json.dumps(config.to_json()))
+        if config.metrics is not None:  # first: a port in use or a host that does not resolve costs nothing
+            from .metrics_http import bind_metrics  # http.server and prometheus_client: only with --metrics
+
+            metrics = bind_metrics(config.metrics)
         job = build_job(config, paths)
         # The built-in pipeline's fields are known now: refuse a bad buffer before booting anything.
         known = None
@@ -63,6 +72,9 @@ def start_master(config: Config, paths: JobPaths, *, keep: bool = False) -> Mast
         watcher = ProgressWatcher(str(paths.progress_dir))
         watcher.start()
         master = Master(job, jobdir, pool, buffer, PeerIntake(job, server, watcher), context, keep, started_at)
+        if metrics is not None:
+            master.metrics = metrics  # its scrapes wait for the loop, which answers them from now on
+            metrics.serve()
         window = buffer.scheduler.window
         write_manifest(
             job, layout, window=window, endpoint=server.endpoint, curve_public_key=server.public_key,
@@ -75,10 +87,13 @@ def start_master(config: Config, paths: JobPaths, *, keep: bool = False) -> Mast
             window,
             format_size(config.buffer_bytes),
         )
+        if announce is not None and not announce():
+            raise JobError("`prefetchd start` ended (killed, interrupted) before the job served: the start is undone")
         return master
     except BaseException as exc:
         log_start_failure(exc)
-        for close in (pool and pool.halt, watcher and watcher.stop, server and server.close, context and context.term):
+        closers = (metrics and metrics.close, pool and pool.halt, watcher and watcher.stop, server and server.close)
+        for close in (*closers, context and context.term):
             if close:
                 close()
         try:

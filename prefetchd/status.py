@@ -56,6 +56,7 @@ def job_status(m) -> dict:  # m: the prefetchd.master.Master, which imports this
                 "in_flight": len(state.in_flight),
                 "consumed": state.consumed,
                 "last_report_s_ago": None if last is None else round(now - last, 3),
+                "wait": intake.stalls.snapshot(r, now),  # None: unknown (a progress-file trainer, or none yet)
             }
         )
     workers = m.pool.snapshot()
@@ -103,6 +104,10 @@ def job_status(m) -> dict:  # m: the prefetchd.master.Master, which imports this
             "bad_samples": m.samples.bad,
             "bad_messages": intake.refusals.counts["message"],
             "refused": dict(intake.refusals.counts),  # peer input dropped, by kind (prefetchd.intake)
+            # Counters since the start, for /metrics (prefetchd.metrics); workers.restarts is the last minute's.
+            "produced_images": m.produced * m.config.batch_size,
+            "consumed_images": sum(r.consumed for r in buffer.scheduler.ranks.values()) * m.config.batch_size,
+            "worker_restarts": m.worker_restarts,
         },
     }
 

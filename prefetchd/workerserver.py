@@ -6,18 +6,30 @@ worker side: about 0.5 s before it can take a task, at every start and every rep
 worker forked from this server takes milliseconds. The server is started by the daemon before
 it holds a lock, a socket or a thread, and it is itself a fresh interpreter (not a fork of the
 master), so a worker inherits none of them, as with spawn. It boots beside the daemon's own
-start-up. It exits when the master does (its pipe from the master closes); the workers then
-follow (worker.py asks the kernel for SIGKILL when their parent dies).
+start-up. It exits when the master does (its pipe from the master closes), and the kernel kills
+it when the master dies, even while it is stopped (this module, preloaded first, asks for
+that); the workers then follow (worker.py asks the kernel for SIGKILL when their parent, the
+server, dies). A stopped server would freeze every spawn and every death report: the pool
+kills it (unstick), and its workers go with it and are replaced.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import multiprocessing
 import multiprocessing.forkserver
+import os
+import signal
+import sys
+import time
 
 CONTEXT = multiprocessing.get_context("forkserver")
 # Imported once in the server. The decoders are optional: one that is not installed is skipped.
-PRELOAD = ["prefetchd.worker", "cv2", "simplejpeg"]
+# This module first: in the server it ties the server's life to the daemon's (_die_with_the_daemon).
+PRELOAD = [__name__, "prefetchd.worker", "cv2", "simplejpeg"]
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def start() -> None:
@@ -25,3 +37,80 @@ def start() -> None:
     it is ready waits for it; one started after it died starts it again."""
     CONTEXT.set_forkserver_preload(PRELOAD)
     multiprocessing.forkserver.ensure_running()
+
+
+def unstick() -> bool:
+    """Kill the server if it is stopped (SIGSTOP): a stopped server never answers a spawn (the
+    daemon would block for good) nor reports a death (a dead worker would look alive). Its
+    workers die with it and the pool replaces them; the next start() boots a new server.
+    Whether it was killed."""
+    pid = server_pid()
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    if state not in (b"T", b"t"):
+        return False
+    try:
+        os.kill(pid, signal.SIGKILL)
+        # Waited for without reaping it: ensure_running reaps it, and then starts a new one.
+        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+    return True
+
+
+def _die_with_the_daemon() -> None:
+    """In the fork server (imported by its preload): SIGKILL when its parent, the daemon, dies.
+    Its pipe from the daemon closing ends it too, but not while it is stopped, nor while a
+    worker (which holds that pipe as well) is blocked in a sample; the kernel's signal does."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not multiprocessing.forkserver.main.__code__:
+        frame = frame.f_back
+    if frame is None:  # imported anywhere else: the daemon, a worker, a test
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+_die_with_the_daemon()
+
+
+def server_pid() -> int | None:
+    """The running server's pid (the parent of the workers started now), if there is one."""
+    return multiprocessing.forkserver._forkserver._forkserver_pid
+
+
+def died(pid: int, within_s: float = 0.0) -> bool:
+    """Whether the server ``pid`` has exited, or does within ``within_s`` (checked without
+    reaping it: ensure_running does)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return True
+        except ChildProcessError:  # reaped already
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+
+
+def await_death(pid: int, timeout_s: float = 5.0) -> None:
+    """Wait until the server ``pid``, which broke off a spawn, has exited (not reaped: the next
+    start() reaps it and boots a new one); SIGKILL after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not died(pid):
+        if time.monotonic() >= deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+            return
+        time.sleep(0.01)

@@ -65,6 +65,7 @@ def non_default_flags(option: str, tmp_path: Path) -> tuple[dict, object]:
         "worker_nice": (4, 4),
         "on_trainer_exit": ("release", "release"),
         "endpoint": ("tcp://127.0.0.1:5555", "tcp://127.0.0.1:5555"),
+        "metrics": ("9464", "127.0.0.1:9464"),
         "mix": ("first_exhausted", "first_exhausted"),
         "pipeline": ("mypkg.aug:make_sample", "mypkg.aug:make_sample"),
     }

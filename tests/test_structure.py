@@ -46,7 +46,7 @@ WORKER_SIDE = {f"prefetchd.{m}" for m in ("worker", "producer", "transforms", "s
 WORKER_SIDE |= {f"prefetchd.{m}" for m in ("fastdecode", "roidecode", "tjlib")}  # the native decoders
 WORKER_SIDE |= {f"prefetchd.{m}" for m in ("raybridge", "raycluster", "raytask")}  # --executor ray's side
 MASTER_SIDE = {f"prefetchd.{m}" for m in ("master", "pool", "buffer", "intake", "job", "daemon", "cli", "status")}
-PURE = {f"prefetchd.{m}" for m in ("plan", "scheduler", "policy", "settings", "errors", "sizes", "messages")}
+PURE = {f"prefetchd.{m}" for m in ("plan", "scheduler", "policy", "settings", "errors", "sizes", "messages", "stalls")}
 CLIENT_FORMAT = {"prefetchd_client.batchfile", "prefetchd_client.layout", "prefetchd_client.ranks"}
 SHIMS = {"__init__", "__main__"}
 

@@ -26,7 +26,8 @@ from .folders import open_job
 from .layout import MAX_EPOCH, JobPaths
 from .locks import daemon_alive, hold_trainer_lock, release_trainer_lock
 from .manifest import VersionMismatch, check_manifest, check_plan, read_manifest, read_stopped
-from .readahead import ReadAhead
+from .readahead import ReadAhead, Readers
+from .waits import TrainerWaits
 
 STATE_VERSION = 1
 _LIVENESS_CHECK_S = 0.5  # how often a waiting client checks the daemon and repeats its position
@@ -38,47 +39,7 @@ _HANDSHAKE_TIMEOUT_S = 10.0  # a CURVE handshake on this node takes milliseconds
 VERIFY_ENV = "PREFETCHD_VERIFY"
 
 
-class _Readers:
-    """The loader's read-ahead threads: the current epoch's, and the next epoch's, started by
-    the last one with that epoch's first batch (kept until an ``iter()`` adopts it)."""
-
-    def __init__(self):
-        self.current: ReadAhead | None = None
-        self._next: tuple[int, ReadAhead] | None = None
-
-    def keep_next(self, epoch: int, reader: ReadAhead | None) -> None:
-        self.drop_next()
-        if reader is not None:
-            self._next = (epoch, reader)
-
-    def adopt(self, epoch: int, step: int) -> ReadAhead | None:
-        """The next epoch's reader, if that is where this iteration starts; else it is stopped."""
-        if self._next is not None and self._next[0] == epoch and step == 0:
-            reader, self._next = self._next[1], None
-            return reader
-        self.drop_next()
-        return None
-
-    def announce_next(self) -> bool:
-        """Have the next epoch's reader, if there is one, report that the trainer reached it."""
-        if self._next is None:
-            return False
-        self._next[1].announce()
-        return True
-
-    def drop_next(self) -> None:
-        following, self._next = self._next, None
-        if following is not None:
-            following[1].stop()
-
-    def stop_all(self) -> None:
-        self.drop_next()
-        if self.current is not None:
-            self.current.stop()
-            self.current = None
-
-
-def _close_loader(readers: _Readers, context: zmq.Context, socket: zmq.Socket, trainer_fd: int | None) -> None:
+def _close_loader(readers: Readers, context: zmq.Context, socket: zmq.Socket, trainer_fd: int | None) -> None:
     readers.stop_all()  # first: they report on the socket
     _close_socket(context, socket, trainer_fd)
 
@@ -187,7 +148,8 @@ class PrefetchLoader:
         self._loaded: tuple[tuple[int, int], int] | None = None  # ((epoch, step), samples) of the last load
         # The threads that map the next batch while the trainer holds this one; in a holder of
         # their own, which the finalizer stops (they hold this loader only weakly).
-        self._readers = _Readers()
+        self._readers = Readers()
+        self._waits = TrainerWaits()  # the trainer's time waiting in next(), sent with each report
         self._send_lock = threading.Lock()
         server_key = self.manifest.get("curve_public_key")
         curve = transport.client_curve(server_key, curve_client_key, job=job) if server_key else None
@@ -259,6 +221,12 @@ class PrefetchLoader:
     @property
     def batch_size(self) -> int:
         return self.manifest["batch_size"]
+
+    @property
+    def wait_stats(self) -> dict:
+        """This loader's time waiting for data in ``next()``: ``wait_s``, ``waited_steps`` (> 1 ms),
+        ``steps``; what ``prefetchd status`` shows for this rank (prefetchd_client.waits)."""
+        return self._waits.totals()
 
     @property
     def position(self) -> tuple[int, int]:
@@ -334,7 +302,7 @@ class PrefetchLoader:
             self._report(epoch + 1, 0)
 
     def _take(self, reader: ReadAhead, step: int) -> dict:
-        batch = reader.take(step)
+        batch = self._waits.timed(reader.take, step)
         self._step = step + 1
         return batch if self._feeder is None else self._feeder(batch)
 
@@ -411,6 +379,7 @@ class PrefetchLoader:
 
     def _report(self, epoch: int, step: int) -> None:
         msg = {"op": "position", "rank": self.rank, "epoch": epoch, "step": step, "pid": os.getpid()}
+        msg.update(self._waits.report_fields())
         # The read-ahead thread reports too; a ZeroMQ socket is safe across threads with a lock.
         with self._send_lock:
             try:

@@ -15,7 +15,7 @@ from .ranks import format_ranks, parse_ranks
 _MAX_MANIFEST_BYTES = 1 << 20
 # The manifest's own format. The daemon (package prefetchd) writes it and the client (package
 # prefetchd-client) reads it; they are installed separately, so a client checks it first.
-MANIFEST_VERSION = 2  # 2: "ranks", the ranks a daemon serves
+MANIFEST_VERSION = 3  # 2: "ranks", the ranks a daemon serves; 3: position reports carry the trainer's waits
 _CURVE_KEY_CHARS = 40  # a CURVE public key in Z85 text
 
 

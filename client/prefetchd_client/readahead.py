@@ -221,3 +221,43 @@ def _weakly(fn: Callable) -> Callable[[], Callable | None]:
         return weakref.WeakMethod(fn)
     except TypeError:
         return lambda: fn
+
+
+class Readers:
+    """The loader's read-ahead threads: the current epoch's, and the next epoch's, started by
+    the last one with that epoch's first batch (kept until an ``iter()`` adopts it)."""
+
+    def __init__(self):
+        self.current: ReadAhead | None = None
+        self._next: tuple[int, ReadAhead] | None = None
+
+    def keep_next(self, epoch: int, reader: ReadAhead | None) -> None:
+        self.drop_next()
+        if reader is not None:
+            self._next = (epoch, reader)
+
+    def adopt(self, epoch: int, step: int) -> ReadAhead | None:
+        """The next epoch's reader, if that is where this iteration starts; else it is stopped."""
+        if self._next is not None and self._next[0] == epoch and step == 0:
+            reader, self._next = self._next[1], None
+            return reader
+        self.drop_next()
+        return None
+
+    def announce_next(self) -> bool:
+        """Have the next epoch's reader, if there is one, report that the trainer reached it."""
+        if self._next is None:
+            return False
+        self._next[1].announce()
+        return True
+
+    def drop_next(self) -> None:
+        following, self._next = self._next, None
+        if following is not None:
+            following[1].stop()
+
+    def stop_all(self) -> None:
+        self.drop_next()
+        if self.current is not None:
+            self.current.stop()
+            self.current = None
