@@ -12,7 +12,7 @@ import pytest
 
 from prefetchd_client import DaemonDied, PrefetchLoader
 
-from .conftest import cli, start_job
+from .conftest import cli, start_job, wait_until
 from .helpers import job_status, read_epoch
 from .test_worker_liveness import digests, pipeline_job
 
@@ -86,7 +86,9 @@ def test_a_key_left_out_by_a_later_sample_is_a_bad_sample_not_the_last_batchs_by
     finally:
         loader.close()
     assert 5 not in {int(i) for b in batches for i in b["index"]}  # replaced
-    assert "returned keys" in paths.log.read_text()
+    # Logged by the master once it hears the batch's report, which may come after the trainer
+    # read the batch (published first): waited for, not assumed.
+    wait_until(lambda: "returned keys" in paths.log.read_text(), timeout_s=10, what="the bad sample logged")
     steps = len(batches)
     for step in range(steps):
         result = cli("verify", "job", "--epoch", "0", "--step", str(step))
