@@ -258,7 +258,7 @@ def _jobs_under(base: Path) -> list[JobPaths]:
                 jobs.append(JobPaths(base / name))
     finally:
         os.close(root_fd)
-    return sorted(jobs)
+    return sorted(jobs, key=lambda paths: paths.name)
 
 
 @app.command()

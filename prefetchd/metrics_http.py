@@ -7,7 +7,10 @@ serves once the master exists and stops in the master's shutdown, before the job
 
 Each request runs on a thread of its own, at most _MAX_CONNECTIONS at once: beyond that a
 connection is closed unread, so a flood costs threads and descriptors in bounded number; a
-client that sends nothing is dropped after _CLIENT_TIMEOUT_S. A request for /metrics asks the
+client that sends nothing is dropped after _CLIENT_TIMEOUT_S. A client that sends its request
+a byte at a time (slowloris) would hold its slot for as long as it likes: when every slot is
+taken, a new connection takes the slot of the oldest one still sending its request (a scraper
+sends its request at once), so such clients cannot lock Prometheus out. A request for /metrics asks the
 master's loop for a snapshot (prefetchd.scrapes) and waits at most _ANSWER_TIMEOUT_S: a
 stopped or hung loop gives a 503, never a hung scrape. The snapshot becomes text by
 prometheus_client (``generate_latest`` over a registry of this server's own, one collector).
@@ -22,6 +25,7 @@ import selectors
 import socket
 import socketserver
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from .errors import ConfigError
@@ -32,7 +36,12 @@ log = logging.getLogger("prefetchd")
 _ANSWER_TIMEOUT_S = 3.0  # a healthy loop answers within one tick (50 ms); Prometheus gives up after 10 s
 _CLIENT_TIMEOUT_S = 5.0
 _MAX_CONNECTIONS = 8
+# Scrapes closer together than this get the same page: a storm of them costs the master's loop
+# one snapshot, and its process one rendering, per interval (50 threads scraping at once halved
+# a trainer's rate on 2 cores without it); Prometheus scrapes every few seconds.
+_REUSE_PAGE_S = 0.5
 _STOP_TIMEOUT_S = 2.0
+_EVICT_WAIT_S = 1.0  # for the slot of a connection that was cut: its thread sees the close at once
 _FLAG = "[daemon] metrics / --metrics"
 
 
@@ -55,6 +64,12 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
+    def parse_request(self) -> bool:
+        try:
+            return super().parse_request()  # reads the headers
+        finally:
+            self.server.request_read(self.connection)  # sent whole (or refused): no longer evictable
+
     def log_message(self, format: str, *args) -> None:  # noqa: A002 - http.server's signature
         pass  # every request, and every garbled one, would grow the log on the tmpfs
 
@@ -72,6 +87,10 @@ class _Server(ThreadingHTTPServer):
         self.registry = CollectorRegistry(auto_describe=False)  # its own: never the global registry
         self.registry.register(SnapshotCollector(lambda: queue.ask(answer_timeout_s)))
         self._slots = threading.BoundedSemaphore(_MAX_CONNECTIONS)
+        self._pages: dict[str, tuple[float, bytes]] = {}  # by content type: (when rendered, the page)
+        self._pages_lock = threading.Lock()
+        self._sending_lock = threading.Lock()
+        self._sending: dict[socket.socket, float] = {}  # connections still sending their request: since when
         super().__init__(address, _Handler)
 
     def server_bind(self) -> None:
@@ -84,18 +103,30 @@ class _Server(ThreadingHTTPServer):
         from .metrics import MasterDidNotAnswer
 
         encoder, content_type = choose_encoder(accept)
+        now = time.monotonic()
+        with self._pages_lock:
+            page = self._pages.get(content_type)
+        if page is not None and now - page[0] < _REUSE_PAGE_S:
+            return page[1], 200, content_type
         try:
-            return encoder(self.registry), 200, content_type
+            body = encoder(self.registry)
         except MasterDidNotAnswer as exc:
             return f"{exc}; try again\n".encode(), 503, "text/plain; charset=utf-8"
+        with self._pages_lock:
+            self._pages[content_type] = (now, body)
+        return body, 200, content_type
 
     def process_request(self, request, client_address) -> None:
         if not self._slots.acquire(blocking=False):
-            self.shutdown_request(request)  # a flood: closed unread
-            return
+            if not (self._cut_slowest_sender() and self._slots.acquire(timeout=_EVICT_WAIT_S)):
+                self.shutdown_request(request)  # a flood: closed unread
+                return
+        with self._sending_lock:
+            self._sending[request] = time.monotonic()
         try:
             super().process_request(request, client_address)  # its thread releases the slot
         except BaseException:
+            self.request_read(request)
             self._slots.release()
             raise
 
@@ -103,7 +134,26 @@ class _Server(ThreadingHTTPServer):
         try:
             super().process_request_thread(request, client_address)
         finally:
+            self.request_read(request)
             self._slots.release()
+
+    def request_read(self, request) -> None:
+        with self._sending_lock:
+            self._sending.pop(request, None)
+
+    def _cut_slowest_sender(self) -> bool:
+        """Close the connection that has been sending its request the longest (its thread
+        then ends and frees its slot); False when every slot holds a request already read."""
+        with self._sending_lock:
+            if not self._sending:
+                return False
+            oldest = min(self._sending, key=self._sending.__getitem__)
+            del self._sending[oldest]
+        try:
+            oldest.shutdown(socket.SHUT_RDWR)  # its thread's recv returns at once; it closes the socket
+        except OSError:
+            pass
+        return True
 
     def handle_error(self, request, client_address) -> None:
         log.debug("metrics: a request from %s failed", client_address, exc_info=True)  # a reset, garbage

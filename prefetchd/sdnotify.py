@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Callable, MutableMapping
@@ -27,6 +28,7 @@ from collections.abc import Callable, MutableMapping
 log = logging.getLogger("prefetchd")
 
 ENV_NAMES = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")
+_USEC = re.compile(r"[0-9]{1,20}")  # ASCII digits only; 20 digits hold any 64-bit count
 
 
 class Notifier:
@@ -50,8 +52,14 @@ class Notifier:
         (os.environ: unset, so no process started from here on inherits them)."""
         address, usec, pid = (environ.pop(name, None) for name in ENV_NAMES)
         watchdog_s = None
-        if usec and usec.isdigit() and int(usec) > 0 and (not pid or pid == str(os.getpid())):
-            watchdog_s = int(usec) / 1e6
+        if usec and (not pid or pid == str(os.getpid())):
+            # systemd writes an unsigned 64-bit count of microseconds. Anything else ("abc",
+            # "-5", "1e9", "²" that isdigit() takes but int() refuses, 5,000 digits) is no
+            # watchdog, never an exception in the daemon's start.
+            if _USEC.fullmatch(usec) and 0 < int(usec) < 2**64:
+                watchdog_s = int(usec) / 1e6
+            else:
+                log.warning("WATCHDOG_USEC=%.40r is not a number of microseconds: no watchdog beats", usec)
         if address and _socket_address(address) is None:
             log.warning("NOTIFY_SOCKET=%r is neither a path nor an abstract address: not notifying", address)
         return cls(address, watchdog_s)
@@ -85,7 +93,8 @@ class Notifier:
             if self._socket is None:
                 self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # close-on-exec, as Python makes all
             # MSG_DONTWAIT: a manager that does not read must not block the master's loop.
-            self._socket.sendto(message.encode(), socket.MSG_DONTWAIT, self.address)
+            # "replace": a STATUS= naming a path that is not UTF-8 is still sent, never an exception.
+            self._socket.sendto(message.encode(errors="replace"), socket.MSG_DONTWAIT, self.address)
             return True
         except OSError as exc:
             self._failures += 1
@@ -103,7 +112,7 @@ def _socket_address(address: str | None) -> str | bytes | None:
     if not address:
         return None
     if address.startswith("@"):
-        return b"\0" + address[1:].encode()  # Linux's abstract namespace
+        return b"\0" + os.fsencode(address[1:])  # Linux's abstract namespace; the environment's bytes as they were
     if address.startswith("/"):
         return address
     return None  # "vsock:..." and the like: not for a daemon on the node

@@ -7,7 +7,11 @@ client) has no entry: its wait is unknown, not zero.
 
 Totals are kept per rank since the daemon started: each loader's growth is added, so a
 restarted trainer (a new loader id) adds to the rank's totals. The share of the last minute
-comes from a short history of the running total, one point a second.
+comes from a short history of the running total, one point a second. A loader's first report
+counts in the totals but not in that share: it carries what the loader waited before this
+daemon heard of it (under a daemon restarted beside a running trainer, minutes of it), which
+did not happen in the last minute; a new trainer's first report comes as its iteration starts
+and carries nothing.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ class RankWaits:
     steps: int = 0
     loader: int | None = None
     last: tuple[float, int, int] = (0.0, 0, 0)  # that loader's totals at its last report
+    unseen_s: float = 0.0  # waits first reported by a loader: in the totals, not in the share
     # (time, seconds): the running total, a point a second, the oldest just before the window
     history: collections.deque = field(default_factory=collections.deque)
 
@@ -50,11 +55,14 @@ class StallLedger:
         waits = self.ranks.get(rank)
         if waits is None:
             waits = self.ranks[rank] = RankWaits()
-            waits.history.append((now, 0.0))  # the totals so far land at once: a share from here on
+            waits.history.append((now, 0.0))  # a share from here on
         totals = (float(wait_s), waited_steps, steps)
-        before = waits.last if waits.loader == loader else (0.0, 0, 0)  # a new loader counts from 0
+        new_loader = waits.loader != loader
+        before = (0.0, 0, 0) if new_loader else waits.last  # a new loader counts from 0
         if any(now_ < then for now_, then in zip(totals, before)):
             raise BadWaits(f"rank {rank}: wait totals went backwards for the same loader ({before} -> {totals})")
+        if new_loader:
+            waits.unseen_s += totals[0]
         waits.seconds += totals[0] - before[0]
         waits.waited_steps += totals[1] - before[1]
         waits.steps += totals[2] - before[2]
@@ -63,11 +71,11 @@ class StallLedger:
 
     @staticmethod
     def _remember(waits: RankWaits, now: float) -> None:
-        history = waits.history
+        history, seen = waits.history, waits.seconds - waits.unseen_s
         if now - history[-1][0] >= _POINT_EVERY_S or len(history) == 1:  # the first point is the base
-            history.append((now, waits.seconds))
+            history.append((now, seen))
         else:  # the newest point holds the newest total
-            history[-1] = (history[-1][0], waits.seconds)
+            history[-1] = (history[-1][0], seen)
         while len(history) > 2 and history[1][0] <= now - WINDOW_S:
             history.popleft()  # keep one point at or before the window's start
 
@@ -81,13 +89,13 @@ class StallLedger:
             "seconds_total": round(waits.seconds, 6),
             "waited_steps_total": waits.waited_steps,
             "steps_total": waits.steps,
-            "last_minute_share": round(_share(waits.history, waits.seconds, now), 4),
+            "last_minute_share": round(_share(waits.history, waits.seconds - waits.unseen_s, now), 4),
         }
 
 
 def _share(history: collections.deque, seconds: float, now: float) -> float:
-    """The wait in the window (or since the first report, if later) over its wall time,
-    capped at 1: the first report can carry waits from before it."""
+    """The wait in the window (or since the first report, if later) over its wall time, capped
+    at 1 (a report's wait in progress may reach just past the moment it is read)."""
     start_t, start_s = history[0]
     window_start = now - WINDOW_S
     if start_t < window_start:  # the total at the window's start: between the points around it

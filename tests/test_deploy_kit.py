@@ -143,7 +143,7 @@ def test_the_dockerfile_builds_a_slim_non_root_image_without_torch(tmp_path):
     uid, gid = (args.get(v.strip("${}"), v) for v in user.split(":"))
     assert int(uid) > 0 and int(gid) > 0, f"USER {user} is root"
     runs = " ".join(rest for k, rest in instructions if k == "RUN")
-    assert '--uid "${UID}"' in runs and "pip install" in runs and "./client ." in runs
+    assert '--uid "${UID}"' in runs and "pip install" in runs and "./client \".[metrics]\"" in runs
     assert "torch" not in runs.lower(), "the daemon never imports torch: the image must not install it"
     entrypoint = docker_exec_form("ENTRYPOINT")
     assert entrypoint[:2] == ["prefetchd", "start"] and "--foreground" in entrypoint
