@@ -317,6 +317,39 @@ def verify(
 
 
 @app.command()
+def pack(
+    source: Annotated[str, typer.Argument(help="Image folder (<root>/<class>/<image>) or file list of 'path,label'")],
+    out_dir: Annotated[Path, typer.Argument(help="Folder for the shards and pack.json; new or empty")],
+    shard_size: Annotated[str, typer.Option(help="Largest shard, e.g. 1G, 512M")] = "1G",
+    max_short_side: Annotated[
+        Optional[int], typer.Option(help="Shrink images whose shorter side is longer to this many pixels")
+    ] = None,
+    quality: Annotated[int, typer.Option(help="JPEG quality of a resized JPEG")] = 90,
+    workers: Annotated[Optional[int], typer.Option(help="Processes for the per-image work [default: cores]")] = None,
+) -> None:
+    """Write the data as WebDataset tar shards (<key>.jpg + <key>.cls) in id order, with pack.json."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from . import pack as packing
+
+    try:
+        opts = packing.check_options(
+            shard_size, max_short_side, quality, workers if workers is not None else len(os.sched_getaffinity(0))
+        )
+        with Progress(
+            TextColumn("packing"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err
+        ) as bar:
+            task = bar.add_task("pack", total=None)
+            manifest = packing.pack(
+                source, out_dir, opts, progress=lambda done, total: bar.update(task, completed=done, total=total)
+            )
+    except UserError as exc:
+        raise _fail(exc) from None
+    err.print(packing.summary(manifest), highlight=False)
+    out.print(f"pack: {out_dir}", highlight=False)
+
+
+@app.command()
 def demo(
     images: Annotated[int, typer.Option(help="Images in the generated dataset")] = 640,
     epochs: Annotated[int, typer.Option()] = 2,
