@@ -46,7 +46,7 @@ from PIL import Image
 
 from .errors import ConfigError, DataError, UserError
 from .sizes import format_size, parse_size
-from .sources import SampleIndex, read_file_list, scan_image_folder
+from .sources import SampleIndex, find_classes, read_file_list, scan_image_folder
 
 FORMAT_VERSION = 1
 KEY_DIGITS = 9
@@ -86,11 +86,8 @@ def load_source(source: str) -> tuple[SampleIndex, str, list[str] | None]:
     if os.path.isfile(source):
         return read_file_list(source, where), "file_list", None
     index = scan_image_folder(source, where)  # a missing path: its DataError
-    root = os.path.expanduser(source)
-    names: dict[int, str] = {}
-    for i in range(len(index)):  # every class holds an image, or the scan failed
-        names.setdefault(index.label(i), os.path.relpath(index.path(i), root).split(os.sep)[0])
-    return index, "image_folder", [names[label] for label in sorted(names)]
+    # Label i is the i-th class folder (the scan fails when any is empty): the scan's own list.
+    return index, "image_folder", find_classes(os.path.expanduser(source), where)
 
 
 def encode_sample(path: str, max_short_side: int | None, quality: int) -> tuple[str, bytes, bool] | str:

@@ -95,7 +95,7 @@ def scan_image_folder(root: str, where: str) -> SampleIndex:
     """
     root = os.path.expanduser(root)
     _check_data_folder(root, where)
-    classes = _find_classes(root, where)
+    classes = find_classes(root, where)
     # A link back to the root loops too: counting the root as an ancestor names that link.
     above = (_folder_identity(root, where),)
     paths, labels, empty = [], [], []
@@ -125,7 +125,7 @@ def _check_data_folder(root: str, where: str) -> None:
         )
 
 
-def _find_classes(root: str, where: str) -> list[str]:
+def find_classes(root: str, where: str) -> list[str]:
     """torchvision's find_classes: every entry that is a folder once symlinks are followed."""
     classes = []
     try:

@@ -54,12 +54,9 @@ def unstick() -> bool:
         return False
     if state not in (b"T", b"t"):
         return False
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
-        # Waited for without reaping it: ensure_running reaps it, and then starts a new one.
-        os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-    except (ProcessLookupError, ChildProcessError):
-        pass
+    await_death(pid)  # not reaped: ensure_running reaps it, and then starts a new one
     return True
 
 
