@@ -20,6 +20,7 @@ Rules:
   resized goes in byte for byte.
 - an unreadable sample (missing, not a regular file, not an image Pillow can identify) is
   skipped and recorded under "skipped" in pack.json, as the daemon records a replaced sample
+  (an image in a format the daemon does not decode, transforms.ALLOWED_FORMATS, is one)
   in its batch header; a pack where no sample is readable fails (exit 3). Files are opened
   with O_NONBLOCK and checked to be regular files before reading: a FIFO never blocks.
 - OUT_DIR must be new or empty: pack never deletes or replaces a file it did not make. Shards
@@ -47,6 +48,7 @@ from PIL import Image
 from .errors import ConfigError, DataError, UserError
 from .sizes import format_size, parse_size
 from .sources import SampleIndex, find_classes, read_file_list, scan_image_folder
+from .transforms import ALLOWED_FORMATS
 
 FORMAT_VERSION = 1
 KEY_DIGITS = 9
@@ -106,7 +108,7 @@ def encode_sample(path: str, max_short_side: int | None, quality: int) -> tuple[
     finally:
         os.close(fd)
     try:
-        with Image.open(io.BytesIO(data)) as im:
+        with Image.open(io.BytesIO(data), formats=ALLOWED_FORMATS) as im:  # the daemon's decoders, no rarer plugin
             kind = im.format or ""
             width, height = im.size
             short = min(width, height)
