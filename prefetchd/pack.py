@@ -20,8 +20,9 @@ Rules:
   resized goes in byte for byte.
 - an unreadable sample (missing, not a regular file, not an image in a format the daemon
   decodes: transforms.ALLOWED_FORMATS) is skipped and recorded under "skipped" in pack.json,
-  as the daemon records a replaced sample in its batch header; a pack where no sample is readable fails (exit 3). Files are opened
-  with O_NONBLOCK and checked to be regular files before reading: a FIFO never blocks.
+  as the daemon records a replaced sample in its batch header; a pack where no sample is
+  readable fails (exit 3). Files are opened with O_NONBLOCK and checked to be regular files
+  before reading: a FIFO never blocks.
 - OUT_DIR must be new or empty: pack never deletes or replaces a file it did not make. Shards
   are written under OUT_DIR/.partial and renamed into place at the end; on any failure,
   Ctrl-C included, what this run made is removed.
