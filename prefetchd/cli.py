@@ -432,6 +432,9 @@ def main() -> None:
     # module) takes ~100 ms, a tenth of `prefetchd start`. Nothing of ours needs it: output
     # and logs are flushed here, and a foreground daemon has stopped its workers already.
     logging.shutdown()
+    mp_util = sys.modules.get("multiprocessing.util")
+    if mp_util is not None:  # the exit hooks os._exit skips: they remove a fork server's pymp-* folder
+        mp_util._run_finalizers()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a closed pipe (`prefetchd status | head`)
             stream.flush()

@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import select
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -105,6 +106,9 @@ def _without_a_removed_log(message: str, log: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prefetchd.daemon", description="internal: run one job's master")
     parser.add_argument("--ready-fd", type=int, required=True)
+    # Until it has its job, SIGTERM (DaemonLaunch.cancel) ends it through the exit hooks, which
+    # remove the worker server's socket folder; serve() puts the default back.
+    signal.signal(signal.SIGTERM, _exit_unused)
     args = parser.parse_args(argv)  # a bad command line: argparse's words on the early stderr
     ready = os.fdopen(args.ready_fd, "w")
     _let_go_of_early_stderr()
@@ -150,7 +154,12 @@ def main(argv: list[str] | None = None) -> int:
         return unreadable.exit_code
     finally:
         sys.stdin.close()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     return serve(config, JobPaths(Path(job_dir)), keep=keep, notify=notify, detach_output=True)
+
+
+def _exit_unused(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _read_order(timeout_s: float | None = None) -> bytes:

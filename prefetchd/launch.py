@@ -32,6 +32,7 @@ from .errors import JobError, error_from_json
 
 _START_TIMEOUT_S = 600.0  # indexing a million files on a network filesystem takes a while
 _STOP_TIMEOUT_S = 15.0
+_CANCEL_WAIT_S = 5.0  # an unused daemon only has to leave its imports; then it is killed
 _EXIT_WAIT_S = 30.0  # a daemon that sent its failure only has to exit; then it is killed
 _MAX_MESSAGE_BYTES = 1 << 20  # the readiness line is ~100 bytes; a failure message a few KiB
 # `-c`, not `-m prefetchd.daemon`: multiprocessing's spawn re-imports the main module of a `-m`
@@ -81,9 +82,15 @@ class DaemonLaunch:
                 pass
 
     def cancel(self) -> None:
-        """End it unused (its worker server and resource tracker follow it) and close our ends."""
+        """End it unused (its worker server and resource tracker follow it) and close our ends.
+        SIGTERM first: the daemon then exits through its exit hooks, which remove the worker
+        server's socket folder from $TMPDIR (a SIGKILL would leave it there)."""
         if self.proc.poll() is None:
-            self.proc.kill()
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=_CANCEL_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
         self.proc.wait()
         self.close()
 

@@ -49,8 +49,13 @@ def small_tmpfs(tmp_path):
 def job_root(monkeypatch) -> Path:
     root = Path(tempfile.mkdtemp(prefix=JOB_ROOT_PREFIX, dir=SHM))
     monkeypatch.setenv("PREFETCHD_ROOT", str(root))
+    # The daemons' own temporary folders (the worker server's socket folder, pymp-*) go here: one
+    # a test kills with SIGKILL cannot remove its own, and /tmp would keep it.
+    temp = Path(tempfile.mkdtemp(prefix=JOB_ROOT_PREFIX + "tmp-", dir=SHM))
+    monkeypatch.setenv("TMPDIR", str(temp))
     yield root
     remove_root(root)
+    shutil.rmtree(temp, ignore_errors=True)
 
 
 @pytest.fixture

@@ -4,7 +4,9 @@ its status, find its worker processes. (Fixtures and the `prefetchd` runner are 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import psutil
@@ -95,3 +97,8 @@ def workers_of(paths: JobPaths) -> list[psutil.Process]:
         except psutil.Error:
             pass
     return found
+
+
+def temp_leftovers() -> list[str]:
+    """What the test's daemons and commands left in their $TMPDIR (job_root gives each test its own)."""
+    return sorted(p.name for p in Path(os.environ["TMPDIR"]).iterdir())

@@ -28,7 +28,7 @@ from prefetchd_client.locks import daemon_alive
 from prefetchd_client.manifest import read_manifest
 
 from .conftest import cli, start_job, wait_until, write_config
-from .helpers import job_status, read_epoch
+from .helpers import job_status, read_epoch, temp_leftovers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -121,6 +121,16 @@ def test_a_start_whose_command_is_gone_before_ready_is_undone(tmp_path, jpeg_fol
         assert cli("start", str(write_config(tmp_path, jpeg_folder)), "--workers", "1").returncode == 0
     finally:
         daemon.cancel()
+
+
+@pytest.mark.parametrize("flags", [["--workers", "many"], ["--help"]])
+def test_a_start_that_never_hands_over_its_daemon_leaves_no_temporary_folder(tmp_path, jpeg_folder, job_root, flags):
+    # The daemon launched early boots a worker server, whose socket folder (pymp-*) lives in
+    # $TMPDIR; the unused daemon is ended through its exit hooks, which remove it.
+    result = cli("start", str(write_config(tmp_path, jpeg_folder)), *flags)
+    assert result.returncode == (0 if flags == ["--help"] else 2), result.stderr
+    assert temp_leftovers() == []
+    assert list(job_root.iterdir()) == []
 
 
 # -- the fork server: stopped, killed ----------------------------------------------------

@@ -21,7 +21,7 @@ from prefetchd_client.locks import daemon_alive
 from prefetchd_client.manifest import read_manifest
 
 from .conftest import cli, daemon_family, start_job, wait_pids_gone, wait_until, write_config
-from .helpers import job_status, workers_of
+from .helpers import job_status, temp_leftovers, workers_of
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -289,6 +289,7 @@ def test_foreground_daemon_stops_cleanly_on_sigint(tmp_path, jpeg_folder, job_ro
     assert "serving at" in stderr and "Traceback" not in stderr
     wait_pids_gone(pids)
     assert not paths.dir.exists()
+    assert temp_leftovers() == []  # the worker server's socket folder too, though the command ends in os._exit
 
 
 def _serving(job_dir):

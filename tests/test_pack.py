@@ -88,6 +88,15 @@ def test_same_bytes_on_a_rerun_and_with_any_worker_count(folder, tmp_path):
     assert len(runs[0]) > 2 and runs[0] == runs[1] == runs[2]
 
 
+def test_pack_leaves_no_temporary_folder(folder, tmp_path):
+    # Its workers come from a fork server, whose socket folder (pymp-*) lives in $TMPDIR.
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    result = cli("pack", str(folder), str(tmp_path / "out"), "--workers", "2", env={"TMPDIR": str(temp)})
+    assert result.returncode == 0, result.stderr
+    assert list(temp.iterdir()) == []
+
+
 def test_max_short_side_shrinks_big_images_and_keeps_jpeg(tmp_path):
     data = make_image_folder(tmp_path / "big", classes=2, per_class=3, size=(120, 300))
     manifest = packed(data, tmp_path / "out", "--max-short-side", "100", "--quality", "80")
