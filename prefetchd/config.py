@@ -18,7 +18,7 @@ workers = 15
 # curve_authorized_keys = "clients/"
 
 [[source]]
-kind = "image_folder"    # or "file_list" with path = "train.txt" ("path,label" lines)
+kind = "image_folder"    # or "file_list", "webdataset", "parquet": README, Configuration
 root = "/data/imagenet/train"
 # name = "imagenet"      # with several sources: a weight each mixes them
 # weight = 0.7
@@ -59,10 +59,20 @@ from .curve import load_authorized_keys
 from .errors import ConfigError
 from .settings import default_workers as default_workers  # scripts/bench.py imports it from here
 
-# Without a config file: the usual ImageNet training crop.
+# Without a config file: the usual ImageNet training crop, or with --mode eval its evaluation view.
 DEFAULT_TRANSFORMS = ({"op": "random_resized_crop", "size": 224}, {"op": "hflip"})
+DEFAULT_EVAL_TRANSFORMS = ({"op": "resize_short", "size": 256}, {"op": "center_crop", "size": 224})
 _SECTIONS = {*settings.SECTIONS, "source", "transform"}
-_SOURCE_KEYS = {"image_folder": {"kind", "root", "name", "weight"}, "file_list": {"kind", "path", "name", "weight"}}
+_SOURCE_KEYS = {
+    "image_folder": {"kind", "root", "name", "weight"},
+    "file_list": {"kind", "path", "name", "weight"},
+    "webdataset": {"kind", "urls", "label_key", "name", "weight"},
+    "parquet": {"kind", "path", "image_column", "label_column", "name", "weight"},
+}
+# The key that says where a source's data is (what --data replaces).
+_DATA_KEY = {"image_folder": "root", "file_list": "path", "webdataset": "urls", "parquet": "path"}
+# Optional string keys: their defaults (None: unset).
+_SOURCE_STRINGS = {"label_key": None, "image_column": "image", "label_column": "label"}
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,7 @@ class Config:
     world_size: int
     ranks: tuple[int, ...] | None  # None: every rank (served_ranks)
     batch_size: int
+    mode: str  # "train" or "eval"
     drop_last: bool
     decoder: str
     buffer_bytes: int
@@ -224,9 +235,23 @@ def _check_source(i: int, src, base: Path) -> dict:
     if kind not in _SOURCE_KEYS:
         raise ConfigError(f"{where}: kind must be one of {', '.join(sorted(_SOURCE_KEYS))}, got {kind!r}")
     _check_keys(src, _SOURCE_KEYS[kind], f"{where} ({kind})")
-    key = "root" if kind == "image_folder" else "path"
-    if not isinstance(src.get(key), str) or not src[key]:
-        raise ConfigError(f'{where} ({kind}) needs {key} = "..." (or pass --data PATH)')
+    key = _DATA_KEY[kind]
+    value = src.get(key)
+    if kind == "webdataset" and isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
+        located = [_resolve(v, base) for v in value]
+    elif isinstance(value, str) and value:
+        located = _resolve(value, base)
+    else:
+        several = " (or a list of them)" if kind == "webdataset" else ""
+        raise ConfigError(f'{where} ({kind}) needs {key} = "..."{several} (or pass --data PATH)')
+    src = {**src, key: located}
+    for option, default in _SOURCE_STRINGS.items():
+        if option not in _SOURCE_KEYS[kind]:
+            continue
+        if option in src and (not isinstance(src[option], str) or not src[option]):
+            raise ConfigError(f"{where} ({kind}): {option} must be a non-empty string, got {src[option]!r}")
+        if default is not None:
+            src.setdefault(option, default)
     weight = src.get("weight")
     if weight is not None and (
         isinstance(weight, bool) or not isinstance(weight, int | float) or not 0 < weight < math.inf
@@ -235,7 +260,7 @@ def _check_source(i: int, src, base: Path) -> dict:
     name = src.get("name", f"source{i}")
     if not isinstance(name, str) or not name:
         raise ConfigError(f"{where}: name must be a non-empty string, got {name!r}")
-    return {**src, "name": name, key: _resolve(src[key], base)}
+    return {**src, "name": name}
 
 
 def _check_ranks_in_world(ranks: tuple[int, ...] | None, world_size: int) -> None:
@@ -293,7 +318,23 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
         transforms.validate_transforms(specs)
     elif specs:
         raise ConfigError("use either [pipeline] callable (--pipeline) or [[transform]] entries, not both")
+    if values["mode"] == "eval":
+        _check_eval(specs, sources)
     return Config(**values, sources=sources, transforms=tuple(specs))
+
+
+def _check_eval(specs: list, sources: tuple[dict, ...]) -> None:
+    """An evaluation job reads every sample once, as it is: nothing random, nothing weighted."""
+    random = transforms.random_steps(specs)
+    if random:
+        raise ConfigError(
+            f'{random[0]} is random, but [job] mode = "eval" reads every sample as it is: use '
+            "resize_short with size, then center_crop (the usual evaluation transform)"
+        )
+    if "weight" in sources[0]:
+        raise ConfigError(
+            '[job] mode = "eval" reads every sample of every source once: remove the [[source]] weights'
+        )
 
 
 def _key_table(raw: dict, section: str) -> dict:
@@ -317,7 +358,7 @@ def _check_sources(raw_sources, data: str | None, base: Path) -> tuple[dict, ...
         if len(raw_sources) > 1:
             raise ConfigError("--data replaces the only [[source]]'s folder, but the config has several")
         kind = raw_sources[0].get("kind", "image_folder") if raw_sources else "image_folder"
-        key = "root" if kind == "image_folder" else "path"
+        key = _DATA_KEY.get(kind, "root")
         raw_sources = [{**(raw_sources[0] if raw_sources else {"kind": kind}), key: data}]
         base = Path.cwd()  # a flag's path is the current folder's, not the config file's
     if not raw_sources:
@@ -337,7 +378,8 @@ def load_config(path: str | os.PathLike | None, overrides: dict | None = None) -
     if path is None:
         # --pipeline replaces the default crop: with both, the config would mix the two.
         pipeline_flag = (overrides or {}).get("pipeline") is not None
-        raw = {} if pipeline_flag else {"transform": [dict(t) for t in DEFAULT_TRANSFORMS]}
+        default = DEFAULT_EVAL_TRANSFORMS if (overrides or {}).get("mode") == "eval" else DEFAULT_TRANSFORMS
+        raw = {} if pipeline_flag else {"transform": [dict(t) for t in default]}
         return build_config(raw, base=Path.cwd(), default_name="default", overrides=overrides)
     path = Path(path)
     if path.exists() and not path.is_file():  # a FIFO would block the read forever

@@ -18,10 +18,12 @@ from prefetchd_client.manifest import MANIFEST_VERSION
 
 from .config import Config, content_hash, plan_digest
 from .errors import ConfigError, DataError
+from .parquetsource import scan_parquet
 from .plan import Plan
 from .producer import PRODUCER_SPEC, ProducerSpec, plan_layout
+from .shards import scan_webdataset
 from .sizes import format_size
-from .sources import build_index
+from .sources import SampleIndex, read_file_list, scan_image_folder
 
 
 @dataclass(frozen=True)
@@ -43,13 +45,32 @@ class Job:
         return f"e{epoch} s{step} r{rank}"
 
 
+def build_index(sources: tuple[dict, ...]) -> tuple[SampleIndex, tuple[int, ...]]:
+    """One index over all sources, in config order (sample ids continue across sources),
+    and the number of samples of each source."""
+    parts = []
+    for i, src in enumerate(sources):
+        where = f"[[source]] #{i + 1} ({src['kind']})"
+        if src["kind"] == "image_folder":
+            parts.append(scan_image_folder(src["root"], where))
+        elif src["kind"] == "file_list":
+            parts.append(read_file_list(src["path"], where))
+        elif src["kind"] == "webdataset":
+            parts.append(scan_webdataset(src, where))
+        else:
+            parts.append(scan_parquet(src, where))
+    return SampleIndex.concat(parts), tuple(len(p) for p in parts)
+
+
 def build_job(config: Config, paths: JobPaths) -> Job:
     """Index the data, plan the epochs, and write what workers and `prefetchd verify` read."""
     index, sizes = build_index(config.sources)
     index.save(paths.dir / "index")
     weights = tuple(s["weight"] for s in config.sources) if "weight" in config.sources[0] else ()
+    evaluation = config.mode == "eval"
+    drop_last = config.drop_last and not evaluation  # an evaluation reads every sample: it pads
     plan = Plan(
-        len(index), config.world_size, config.batch_size, config.seed, config.drop_last, sizes, weights, config.mix
+        len(index), config.world_size, config.batch_size, config.seed, drop_last, sizes, weights, config.mix, evaluation
     )
     if plan.batches_per_epoch < 1:
         raise DataError(
@@ -70,6 +91,7 @@ def build_job(config: Config, paths: JobPaths) -> Job:
         on_error=config.on_error,
         decoder=config.decoder,
         plan_digest=digest,
+        image_columns=[s["image_column"] if s["kind"] == "parquet" else "" for s in config.sources],
     )
     write_json(paths.dir / PRODUCER_SPEC, spec.to_json())  # `prefetchd verify` remakes batches from it
     return Job(config, paths, plan, source_names, content, spec.config_hash, digest, spec)

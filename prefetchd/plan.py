@@ -25,6 +25,10 @@ The order of an epoch:
 With ``drop_last = false`` the last step is filled up by wrapping around to the start of
 the epoch's order (as DistributedSampler pads), so every rank gets full batches and the
 same number of them.
+
+An evaluation plan (``evaluation``) reads the samples in index order, every epoch alike, and
+pads the last step the same way; ``batch_valid`` tells the padding from the samples, so that
+each sample counts exactly once across all ranks.
 """
 
 from __future__ import annotations
@@ -53,9 +57,13 @@ class Plan:
     source_sizes: tuple[int, ...] = ()  # with weights: the samples of each source, in index order
     weights: tuple[float, ...] = ()  # empty: no mixing
     mix: str = "cycle"
+    evaluation: bool = False  # in index order, the last step padded (drop_last is then False)
 
     def to_json(self) -> dict:
-        return {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
+        d = {k: list(v) if isinstance(v, tuple) else v for k, v in self.__dict__.items()}
+        if not self.evaluation:  # a training plan's digest stays what it was before evaluation plans
+            del d["evaluation"]
+        return d
 
     @classmethod
     def from_json(cls, d: dict) -> Plan:
@@ -85,6 +93,8 @@ class Plan:
 
     def order(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(sample ids, pass numbers) of the whole epoch, in reading order."""
+        if self.evaluation:
+            return _in_order(self.num_samples), np.zeros(0, np.int64)
         if not self.mixing:
             perm = _permutation(self.seed, epoch, self.num_samples)
             return perm, np.zeros(0, np.int64)
@@ -98,6 +108,11 @@ class Plan:
         positions = np.arange(start, start + self.batch_size) % self.epoch_length
         ids, passes = self.order(epoch)
         return ids[positions], (passes[positions] if len(passes) else np.zeros(len(positions), np.int64))
+
+    def batch_valid(self, step: int, rank: int) -> np.ndarray:
+        """Which slots of batch (step, rank) hold a sample rather than the last step's padding."""
+        start = step * self.global_batch + rank * self.batch_size
+        return np.arange(start, start + self.batch_size) < self.epoch_length
 
     def sample_ids(self, epoch: int, step: int, rank: int) -> np.ndarray:
         return self.batch_samples(epoch, step, rank)[0]
@@ -129,6 +144,13 @@ def _permutation(seed: int, epoch: int, n: int, *extra: int) -> np.ndarray:
     perm = np.random.default_rng([seed, _PERMUTATION, epoch, *extra]).permutation(n)
     perm.flags.writeable = False
     return perm
+
+
+@lru_cache(maxsize=1)
+def _in_order(n: int) -> np.ndarray:
+    ids = np.arange(n)
+    ids.flags.writeable = False
+    return ids
 
 
 @lru_cache(maxsize=16)

@@ -24,6 +24,7 @@ from prefetchd_client.batchfile import PREAMBLE, BatchBuffer, BatchLayout, Batch
 from prefetchd_client.layout import JobPaths, batch_name
 
 from .plan import Plan
+from .samplereader import SampleReader
 from .sources import SampleIndex
 from .transforms import ImagePipeline, validate_transforms
 
@@ -69,7 +70,8 @@ class SampleProgress:
     current: tuple[int, str] | None = None  # (sample id, path) being made: named when it hangs
 
 
-SPEC_VERSION = 1  # of producer.json: workers and `prefetchd verify` read it, perhaps another install's
+_ADDED = {"label", "index", "valid"}  # what prefetchd adds to the fields a pipeline callable returns
+SPEC_VERSION = 2  # of producer.json: workers and `prefetchd verify` read it, perhaps another install's
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class ProducerSpec:
     on_error: str = "replace"  # or "fail"
     decoder: str = "pillow"  # or "simplejpeg" (prefetchd.fastdecode)
     plan_digest: str = ""  # prefetchd.config.plan_digest
+    image_columns: list = field(default_factory=list)  # per source: a Parquet source's image column, else ""
     version: int = SPEC_VERSION
 
     def to_json(self) -> dict:
@@ -108,14 +111,16 @@ class SpecMismatch(ValueError):
     """A producer.json written by another prefetchd version."""
 
 
-def builtin_fields(batch_size: int, transforms: list) -> list[FieldSpec]:
+def builtin_fields(batch_size: int, transforms: list, evaluation: bool = False) -> list[FieldSpec]:
     """Batch fields of the built-in image pipeline: known without touching any image."""
     h, w = validate_transforms(transforms)
-    return [FieldSpec("image", "uint8", (batch_size, h, w, 3)), *_id_fields(batch_size)]
+    return [FieldSpec("image", "uint8", (batch_size, h, w, 3)), *_id_fields(batch_size, evaluation)]
 
 
-def _id_fields(batch_size: int) -> list[FieldSpec]:
-    return [FieldSpec("label", "int64", (batch_size,)), FieldSpec("index", "int64", (batch_size,))]
+def _id_fields(batch_size: int, evaluation: bool) -> list[FieldSpec]:
+    """What prefetchd adds to every batch; an evaluation's ``valid`` marks the last step's padding."""
+    fields = [FieldSpec("label", "int64", (batch_size,)), FieldSpec("index", "int64", (batch_size,))]
+    return fields + [FieldSpec("valid", "bool", (batch_size,))] if evaluation else fields
 
 
 def plan_layout(fields: list[FieldSpec], source_names: list[str]) -> BatchLayout:
@@ -181,6 +186,7 @@ class BatchProducer:
         self.paths = JobPaths(Path(spec.job_dir))
         self.plan = Plan.from_json(spec.plan)
         self.index = SampleIndex.load(self.paths.dir / "index") if index is None else index
+        self.reader = SampleReader(self.index, spec.image_columns, self.plan.source_sizes)
         if spec.pipeline:
             self._user_fn = load_callable(spec.pipeline)
             self._image = None
@@ -193,17 +199,21 @@ class BatchProducer:
     def field_specs(self) -> list[FieldSpec]:
         b = self.plan.batch_size
         if self._image is not None:
-            return builtin_fields(b, self.spec.transforms)
+            return builtin_fields(b, self.spec.transforms, self.plan.evaluation)
         # The user's code decides its fields: run it once on sample 0.
         sample = self._run_user_fn(0, self.plan.sample_rng(0, 0))
-        return [FieldSpec(k, np.asarray(v).dtype.name, (b, *np.shape(v))) for k, v in sample.items()] + _id_fields(b)
+        return [FieldSpec(k, np.asarray(v).dtype.name, (b, *np.shape(v))) for k, v in sample.items()] + _id_fields(
+            b, self.plan.evaluation
+        )
 
     def _run_user_fn(self, sid: int, rng: np.random.Generator) -> dict:
         source = {"path": self.index.path(sid), "label": self.index.label(sid), "index": int(sid)}
+        if self.index.kinds is not None:  # a container's sample: its encoded image (None: a file of its own)
+            source["data"] = self.reader.image_bytes(sid)
         out = self._user_fn(source, rng)
-        if not isinstance(out, dict) or not out or {"label", "index"} & set(out):
+        if not isinstance(out, dict) or not out or _ADDED & set(out):
             raise TypeError(
-                f"{self.spec.pipeline} must return a non-empty dict of arrays without 'label' or 'index' "
+                f"{self.spec.pipeline} must return a non-empty dict of arrays without 'label', 'index' or 'valid' "
                 f"keys (prefetchd adds those), got {type(out).__name__}"
             )
         return out
@@ -217,6 +227,9 @@ class BatchProducer:
         number of batches; the replacement is deterministic and recorded.
         """
         ids, passes = self.plan.batch_samples(epoch, step, rank)
+        self.reader.read_ahead(ids)
+        if self.plan.evaluation:
+            arrays["valid"][:] = self.plan.batch_valid(step, rank)
         report, run = FillReport([]), 0
         for slot, (sid, pass_) in enumerate(zip(ids.tolist(), passes.tolist())):
             try:
@@ -226,14 +239,14 @@ class BatchProducer:
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}"[:_ERROR_CHARS]
                 if self.spec.on_error == "fail":
-                    raise SampleError(f"sample {sid} ({self.index.path(sid)}): {error}") from exc
+                    raise SampleError(f"sample {sid} ({self.reader.where(sid)}): {error}") from exc
             run += 1
             report.longest_bad_run = max(report.longest_bad_run, run)
             report.replaced.append(
                 {
                     "slot": slot,
                     "index": sid,
-                    "path": self.index.path(sid),
+                    "path": self.reader.where(sid),
                     "error": error,
                     "replacement": self._replace(arrays, slot, epoch, sid, pass_),
                 }
@@ -249,15 +262,15 @@ class BatchProducer:
         try:
             rng = self.plan.sample_rng(epoch, sid, pass_)
             if self._image is not None:
-                self._image.apply(path, rng, arrays["image"][slot])
+                self._image.apply(path, rng, arrays["image"][slot], self.reader.image_bytes(sid))
             else:
                 out = self._run_user_fn(sid, rng)
-                if out.keys() != arrays.keys() - {"label", "index"}:
+                if out.keys() != arrays.keys() - _ADDED:
                     # A key left out would keep the last batch's value in the reused buffer: the
                     # batch's bytes would depend on which worker made it. A bad sample instead.
                     raise ValueError(
                         f"{self.spec.pipeline} returned keys {sorted(out)}, but its first sample had "
-                        f"{sorted(arrays.keys() - {'label', 'index'})}"
+                        f"{sorted(arrays.keys() - _ADDED)}"
                     )
                 for key, value in out.items():
                     arrays[key][slot] = value
@@ -275,7 +288,7 @@ class BatchProducer:
             except Exception:
                 continue
         raise SampleError(
-            f"sample {sid} ({self.index.path(sid)}) is unreadable and so were {_REPLACEMENT_ATTEMPTS} "
+            f"sample {sid} ({self.reader.where(sid)}) is unreadable and so were {_REPLACEMENT_ATTEMPTS} "
             "replacements drawn for it; is the data folder readable?"
         )
 

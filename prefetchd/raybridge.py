@@ -129,7 +129,9 @@ class Bridge:
         if self.address == "local":
             self.guard = _guard_private_instance()
         index = self.local.index
-        self.index_ref = ray.put((index.paths, index.offsets, index.labels))  # sent once, not with every task
+        self.index_ref = ray.put(  # sent once, not with every task
+            (index.paths, index.offsets, index.labels, index.kinds, index.members)
+        )
         self.spec_ref = ray.put(spec_json)
         # One CPU and the custom resources each; no retries by Ray: a failed batch is the master's to reissue.
         as_task = ray.remote(num_cpus=1, resources=options["resources"], max_retries=0)

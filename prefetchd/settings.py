@@ -224,6 +224,13 @@ SETTINGS: tuple[Setting, ...] = (
         rules=(_at_least(1),),
     ),
     Setting(
+        "job", "mode", (str,),
+        help="train: a new shuffle and augmentation every epoch; eval: every sample exactly once, in order, "
+        "unaugmented, the last step padded and marked by each batch's boolean `valid` field",
+        default="train",
+        choices=("train", "eval"),
+    ),
+    Setting(
         "job", "drop_last", (bool,),
         help="false: the last step is padded by wrapping to the epoch's start, so ranks stay equal",
         default=True,

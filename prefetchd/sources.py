@@ -28,6 +28,13 @@ from .errors import DataError
 # torchvision's ImageFolder extensions.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 _FILES = ("paths.npy", "offsets.npy", "labels.npy")
+_CONTAINER_FILES = ("kinds.npy", "members.npy")
+
+# Where a sample's image lies (SampleIndex.kinds); ``members`` says where in its container.
+FILE = 0  # the whole file at its path (members unused)
+TAR_MEMBER = 1  # members = (byte offset, size) of the image member in the tar at its path; offset -1: none
+PARQUET_ROW = 2  # members = (row group, row within it) of the Parquet file at its path
+NO_LABEL = -1  # a container sample without a label: a bad sample when it is read
 
 
 @dataclass(frozen=True)
@@ -35,9 +42,20 @@ class SampleIndex:
     paths: np.ndarray  # uint8, every path's file-system bytes (os.fsencode) back to back
     offsets: np.ndarray  # int64, len + 1: path i is paths[offsets[i]:offsets[i + 1]]
     labels: np.ndarray  # int64
+    # Only where some sample lives in a container (tar shard, Parquet file): uint8 (n,) kind
+    # and int64 (n, 2) place of each. None for files only, so their fingerprints stay as they were.
+    kinds: np.ndarray | None = None
+    members: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    def kind(self, i: int) -> int:
+        return FILE if self.kinds is None else int(self.kinds[i])
+
+    def member(self, i: int) -> tuple[int, int]:
+        a, b = self.members[i]
+        return int(a), int(b)
 
     def path(self, i: int) -> str:
         return os.fsdecode(self.paths[self.offsets[i] : self.offsets[i + 1]].tobytes())
@@ -53,31 +71,58 @@ class SampleIndex:
         return cls(np.frombuffer(b"".join(encoded), dtype=np.uint8), offsets, np.asarray(labels, dtype=np.int64))
 
     @classmethod
+    def in_containers(cls, containers: list[str], counts: list[int], kind: int, members, labels) -> SampleIndex:
+        """Samples that live in containers: ``counts[j]`` consecutive samples in ``containers[j]``,
+        each at ``members`` (n, 2) of ``kind``."""
+        n = int(sum(counts))
+        encoded = [os.fsencode(c) for c in containers]
+        lengths = np.repeat(np.asarray([len(b) for b in encoded], dtype=np.int64), counts)
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        paths = np.frombuffer(b"".join(b * c for b, c in zip(encoded, counts)), dtype=np.uint8)
+        members = np.asarray(members, dtype=np.int64).reshape(n, 2)
+        return cls(paths, offsets, np.asarray(labels, dtype=np.int64), np.full(n, kind, np.uint8), members)
+
+    @classmethod
     def concat(cls, parts: list[SampleIndex]) -> SampleIndex:
         if len(parts) == 1:
             return parts[0]
         shifts = np.cumsum([0] + [len(p.paths) for p in parts[:-1]])
         offsets = np.concatenate([parts[0].offsets[:1]] + [p.offsets[1:] + s for p, s in zip(parts, shifts)])
-        return cls(np.concatenate([p.paths for p in parts]), offsets, np.concatenate([p.labels for p in parts]))
+        kinds = members = None
+        if any(p.kinds is not None for p in parts):
+            kinds = np.concatenate([np.full(len(p), FILE, np.uint8) if p.kinds is None else p.kinds for p in parts])
+            members = np.concatenate(
+                [np.full((len(p), 2), -1, np.int64) if p.members is None else p.members for p in parts]
+            )
+        labels = np.concatenate([p.labels for p in parts])
+        return cls(np.concatenate([p.paths for p in parts]), offsets, labels, kinds, members)
+
+    def _arrays(self) -> tuple[tuple[str, np.ndarray], ...]:
+        named = zip(_FILES, (self.paths, self.offsets, self.labels))
+        if self.kinds is None:
+            return tuple(named)
+        return (*named, *zip(_CONTAINER_FILES, (self.kinds, self.members)))
 
     def fingerprint(self) -> str:
         """Identifies the sample list: a resume on changed data must not pass as exact."""
         h = hashlib.sha256()
-        for a in (self.paths, self.offsets, self.labels):
-            h.update(a.tobytes())
+        for _, a in self._arrays():
+            h.update(np.ascontiguousarray(a).tobytes())
         return h.hexdigest()[:16]
 
     def save(self, folder: Path) -> None:
         folder.mkdir(mode=0o700, exist_ok=True)
-        for name, a in zip(_FILES, (self.paths, self.offsets, self.labels)):
+        for name, a in self._arrays():
             np.save(folder / name, a, allow_pickle=False)
 
     @classmethod
     def load(cls, folder: Path) -> SampleIndex:
-        for name in _FILES:  # np.load would block on a FIFO planted under the name
+        names = _FILES + (_CONTAINER_FILES if os.path.lexists(folder / _CONTAINER_FILES[0]) else ())
+        for name in names:  # np.load would block on a FIFO planted under the name
             if not stat.S_ISREG(os.lstat(folder / name).st_mode):
                 raise ValueError(f"{folder / name} is not a regular file")
-        return cls(*(np.load(folder / name, mmap_mode="r", allow_pickle=False) for name in _FILES))
+        return cls(*(np.load(folder / name, mmap_mode="r", allow_pickle=False) for name in names))
 
 
 def scan_image_folder(root: str, where: str) -> SampleIndex:
@@ -294,16 +339,3 @@ def _utf8_text(data: bytes, path: str) -> str:
             "is not; rename the file it names, or serve that folder with kind = \"image_folder\", "
             "which takes any file name"
         ) from None
-
-
-def build_index(sources: tuple[dict, ...]) -> tuple[SampleIndex, tuple[int, ...]]:
-    """One index over all sources, in config order (sample ids continue across sources),
-    and the number of samples of each source."""
-    parts = []
-    for i, src in enumerate(sources):
-        where = f"[[source]] #{i + 1} ({src['kind']})"
-        if src["kind"] == "image_folder":
-            parts.append(scan_image_folder(src["root"], where))
-        else:
-            parts.append(read_file_list(src["path"], where))
-    return SampleIndex.concat(parts), tuple(len(p) for p in parts)

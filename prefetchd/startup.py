@@ -58,7 +58,7 @@ def start_master(
         # The built-in pipeline's fields are known now: refuse a bad buffer before booting anything.
         known = None
         if config.pipeline is None:
-            known = fit_layout(job, builtin_fields(config.batch_size, list(config.transforms)))
+            known = fit_layout(job, builtin_fields(config.batch_size, list(config.transforms), job.plan.evaluation))
         pool = WorkerPool(job)
         pool.spawn_all()
         fields = pool.await_first()

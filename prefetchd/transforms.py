@@ -208,6 +208,21 @@ def _parse(specs: Any) -> tuple[list[tuple[str, dict[str, Any]]], tuple[int, int
     return steps, sizing[-1][1]["size"]
 
 
+def random_steps(specs: list[dict]) -> list[str]:
+    """The steps that draw from the sample's generator, as ``transform #i (op)``: an evaluation
+    job reads every sample as it is, and refuses them."""
+    random = []
+    for i, (op, p) in enumerate(_parse(specs)[0], start=1):
+        if (
+            op in ("random_resized_crop", "random_crop")
+            or (op == "resize_short" and p["size"] is None)
+            or (op == "hflip" and p["p"] > 0)
+            or (op == "color_jitter" and any(p.values()))
+        ):
+            random.append(f"transform #{i} ({op})")
+    return random
+
+
 def validate_transforms(specs: list[dict]) -> tuple[int, int]:
     """Check the transform list; return the fixed output (height, width) or raise ConfigError."""
     return _parse(specs)[1]
@@ -362,15 +377,17 @@ class ImagePipeline:
             _STEPS[op](v, params, rng)
         return v
 
-    def apply(self, path: str, rng: np.random.Generator, out: np.ndarray) -> None:
-        """Decode the image at `path`, augment it with draws from `rng` and write the uint8 RGB
-        result into `out` (shape output_shape; may be a view into a batch buffer)."""
+    def apply(self, path: str, rng: np.random.Generator, out: np.ndarray, data: bytes | None = None) -> None:
+        """Decode the image at `path` (or its encoded bytes `data`, read from a container),
+        augment it with draws from `rng` and write the uint8 RGB result into `out` (shape
+        output_shape; may be a view into a batch buffer)."""
         if out.shape != self.output_shape or out.dtype != np.uint8:
             raise ValueError(f"out must be uint8 of shape {self.output_shape}, got {out.dtype} {out.shape}")
-        source, v = path, None
+        source, v = (path if data is None else io.BytesIO(data)), None
         if self._native is not None:
-            with open(path, "rb") as f:
-                data = f.read()
+            if data is None:
+                with open(path, "rb") as f:
+                    data = f.read()
             size = self._native.jpeg_size(data)
             if size is not None:
                 v = self.plan(size, rng)

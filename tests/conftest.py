@@ -53,9 +53,12 @@ def job_root(monkeypatch) -> Path:
     # a test kills with SIGKILL cannot remove its own, and /tmp would keep it.
     temp = Path(tempfile.mkdtemp(prefix=JOB_ROOT_PREFIX + "tmp-", dir=SHM))
     monkeypatch.setenv("TMPDIR", str(temp))
+    cache = Path(tempfile.mkdtemp(prefix=JOB_ROOT_PREFIX + "cache-", dir=SHM))  # shard indexes
+    monkeypatch.setenv("PREFETCHD_CACHE", str(cache))
     yield root
     remove_root(root)
     shutil.rmtree(temp, ignore_errors=True)
+    shutil.rmtree(cache, ignore_errors=True)
 
 
 @pytest.fixture
@@ -110,7 +113,11 @@ def write_config(
     seed: int = 0,
     size: int = 32,
     extra: str = "",
+    source: str | None = None,
 ) -> Path:
+    """A job config; ``source``: the [[source]] table's keys (TOML lines), instead of an
+    image_folder at ``data``."""
+    source = f'kind = "image_folder"\nroot = "{data}"' if source is None else source
     path = folder / f"{name}.toml"
     path.write_text(
         textwrap.dedent(f"""\
@@ -125,8 +132,7 @@ def write_config(
         workers = {workers}
 
         [[source]]
-        kind = "image_folder"
-        root = "{data}"
+        {{source}}
 
         [[transform]]
         op = "random_resized_crop"
@@ -134,7 +140,7 @@ def write_config(
 
         [[transform]]
         op = "hflip"
-        """)
+        """).replace("{source}", source)
         + extra
     )
     return path

@@ -49,6 +49,7 @@ def non_default_flags(option: str, tmp_path: Path) -> tuple[dict, object]:
         "world_size": (3, 3),
         "ranks": ("0", (0,)),
         "batch_size": (5, 5),
+        "mode": ("eval", "eval"),
         "drop_last": (False, False),
         "decoder": ("simplejpeg", "simplejpeg"),
         "buffer": ("3M", 3 << 20),

@@ -5,7 +5,8 @@ import os
 import pytest
 
 from prefetchd.errors import DataError
-from prefetchd.sources import SampleIndex, build_index, read_file_list, scan_image_folder
+from prefetchd.job import build_index
+from prefetchd.sources import SampleIndex, read_file_list, scan_image_folder
 
 
 def touch(path):

@@ -1,0 +1,258 @@
+"""Parquet sources from real Parquet files of real JPEGs: the index, the reader and their errors."""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+
+import numpy as np
+import pytest
+
+pa = pytest.importorskip("pyarrow")
+pq = pytest.importorskip("pyarrow.parquet")
+
+from prefetchd.datagen import make_image  # noqa: E402
+from prefetchd.errors import ConfigError, DataError  # noqa: E402
+from prefetchd.parquetsource import ParquetRows, scan_parquet  # noqa: E402
+from prefetchd.sources import NO_LABEL, PARQUET_ROW  # noqa: E402
+
+pytestmark = pytest.mark.timeout(30)
+WHERE = "[[source]] #1 (parquet)"
+HF_IMAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])  # datasets' Image feature
+
+
+def jpegs(n: int, seed: int = 0) -> list[bytes]:
+    """``n`` distinct small real JPEGs."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        buf = io.BytesIO()
+        make_image(rng, int(rng.integers(16, 40)), int(rng.integers(16, 40))).save(buf, "JPEG", quality=80)
+        out.append(buf.getvalue())
+    return out
+
+
+def write(path, images, labels, image_type=pa.binary(), label_type=pa.int64(), row_group_size=None, **columns):
+    if pa.types.is_struct(image_type):
+        images = [None if b is None else {"bytes": b, "path": f"img{i}.jpg"} for i, b in enumerate(images)]
+    table = pa.table({"image": pa.array(images, image_type), "label": pa.array(labels, label_type), **columns})
+    pq.write_table(table, path, row_group_size=row_group_size)
+    return path
+
+
+def source(path, image_column="image", label_column="label") -> dict:
+    return {"path": str(path), "image_column": image_column, "label_column": label_column}
+
+
+def read_all(index, reader: ParquetRows, order) -> dict[int, bytes]:
+    return {int(i): reader.read(index.path(i), *index.member(i), "image") for i in order}
+
+
+def test_binary_column_row_groups_read_back_in_random_order_with_bounded_cache(tmp_path):
+    images, labels = jpegs(60), [i % 7 for i in range(60)]
+    path = write(tmp_path / "train.parquet", images, labels, row_group_size=8)
+    index = scan_parquet(source(path), WHERE)
+    assert len(index) == 60 and index.labels.tolist() == labels
+    assert set(index.kinds.tolist()) == {PARQUET_ROW}
+    assert index.members.tolist() == [[i // 8, i % 8] for i in range(60)]
+    assert {index.path(i) for i in range(60)} == {str(path)}
+    bound = sum(len(b) for b in images[:20])  # room for about two row groups of eight
+    reader = ParquetRows(cache_bytes=bound)
+    seen_max = 0
+    for i in np.random.default_rng(1).permutation(60):
+        assert reader.read(index.path(i), *index.member(i), "image") == images[i]
+        seen_max = max(seen_max, reader.cached_bytes)
+    assert 0 < seen_max <= bound
+    reader.close()
+    assert reader.cached_bytes == 0
+
+
+def test_hugging_face_image_struct_and_other_accepted_types(tmp_path):
+    images = jpegs(10)
+    path = write(tmp_path / "hf.parquet", images, list(range(10)), HF_IMAGE, pa.uint8(), row_group_size=4)
+    index = scan_parquet(source(path), WHERE)
+    assert index.labels.tolist() == list(range(10)) and index.labels.dtype == np.int64
+    with_large = write(tmp_path / "large.parquet", images, [3] * 10, pa.large_binary(), pa.int8())
+    reader = ParquetRows()
+    assert read_all(index, reader, reversed(range(10))) == dict(enumerate(images))
+    assert read_all(scan_parquet(source(with_large), WHERE), reader, range(10)) == dict(enumerate(images))
+    reader.close()
+
+
+def test_folder_and_glob_take_files_in_path_byte_order(tmp_path):
+    images = jpegs(9)
+    data = tmp_path / "data"
+    data.mkdir()
+    # "B" sorts before "a" by bytes; the .txt file and the hidden file are not part of the source
+    for name, part in [("b.parquet", 0), ("B.parquet", 1), ("a.parquet", 2)]:
+        write(data / name, images[3 * part : 3 * part + 3], [part] * 3, row_group_size=2)
+    (data / "notes.txt").write_text("not data")
+    write(data / ".hidden.parquet", images[:1], [9])
+    write(data / "empty.parquet", [], [])  # no rows: adds nothing
+    expected = [(data / n) for n in ("B.parquet", "a.parquet", "b.parquet")]
+    for path in (data, data / "*.parquet", data / "[aBbe]*.parquet"):
+        index = scan_parquet(source(path), WHERE)
+        assert [index.path(i) for i in range(0, 9, 3)] == [str(p) for p in expected]
+        assert index.labels.tolist() == [1, 1, 1, 2, 2, 2, 0, 0, 0]
+        assert index.members[:3].tolist() == [[0, 0], [0, 1], [1, 0]]
+        got = read_all(index, ParquetRows(), range(9))
+        assert [got[i] for i in range(9)] == images[3:6] + images[6:9] + images[0:3]
+
+
+def test_null_label_and_null_image(tmp_path):
+    images = jpegs(4)
+    path = write(tmp_path / "x.parquet", [images[0], None, images[2], images[3]], [0, 1, None, 2], HF_IMAGE)
+    index = scan_parquet(source(path), WHERE)
+    assert index.labels.tolist() == [0, 1, NO_LABEL, 2]
+    reader = ParquetRows()
+    assert reader.read(str(path), 0, 0, "image") == images[0]
+    with pytest.raises(ValueError, match=r"null image in column 'image' \(row group 0, row 1\)"):
+        reader.read(str(path), 0, 1, "image")
+    plain = write(tmp_path / "plain.parquet", [None, images[1]], [0, 1])
+    with pytest.raises(ValueError, match="null"):
+        reader.read(str(plain), 0, 0, "image")
+    assert reader.read(str(plain), 0, 1, "image") == images[1]
+
+
+def test_out_of_range_places_and_wrong_column_at_read_are_value_errors(tmp_path):
+    path = str(write(tmp_path / "x.parquet", jpegs(3), [0, 1, 2], row_group_size=2))
+    reader = ParquetRows()
+    for group, row, column, message in [
+        (2, 0, "image", "row group 2 is out of range"),
+        (-1, 0, "image", "row group -1 is out of range"),
+        (1, 1, "image", "row 1 is out of range"),
+        (0, 0, "label", "no image column 'label'"),
+        (0, 0, "nope", "no image column 'nope'"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            reader.read(path, group, row, column)
+
+
+def test_oversize_row_group_is_kept_alone(tmp_path):
+    images = jpegs(6)
+    path = str(write(tmp_path / "x.parquet", images, [0] * 6, row_group_size=3))
+    reader = ParquetRows(cache_bytes=100)  # smaller than any row group
+    assert [reader.read(path, i // 3, i % 3, "image") for i in range(6)] == images
+    assert len(reader._groups) == 1 and reader.cached_bytes > 100
+
+
+def _three_columns(folder):
+    write(folder / "x.parquet", jpegs(2), [0, 1], other=pa.array(["a", "b"]))
+
+
+def _error_cases():
+    """(set up the folder, the source's path in it, column overrides, the message expected)."""
+    struct_without_bytes = pa.struct([("path", pa.string())])
+    return [
+        (lambda p: None, "none.parquet", {}, "none.parquet does not exist"),
+        (lambda p: None, "*.parquet", {}, r"no file matches .*\*\.parquet"),
+        (lambda p: None, "", {}, r"has no \*.parquet file"),
+        (_three_columns, "", {"image_column": "img"}, r"no single column 'img' \(it has 'image', 'label', 'other'\)"),
+        (_three_columns, "x.parquet", {"label_column": "cls"}, r"no single column 'cls' .*set label_column"),
+        (
+            lambda p: write(p / "x.parquet", ["a", "b"], [0, 1], pa.string()),
+            "x.parquet",
+            {},
+            "image_column 'image' is string, not binary",
+        ),
+        (
+            lambda p: write(p / "x.parquet", [{"path": "a"}], [0], struct_without_bytes),
+            "x.parquet",
+            {},
+            "image_column 'image' is struct<path: string>, not binary",
+        ),
+        (
+            lambda p: write(p / "x.parquet", jpegs(2), ["cat", "dog"], label_type=pa.string()),
+            "x.parquet",
+            {},
+            "label_column 'label' is string, not an integer type",
+        ),
+        (
+            lambda p: write(p / "x.parquet", jpegs(2), [0.0, 1.0], label_type=pa.float32()),
+            "x.parquet",
+            {},
+            "label_column 'label' is float, not an integer type",
+        ),
+        (
+            lambda p: write(p / "x.parquet", jpegs(4), [0, 1, None, -3], row_group_size=2),
+            "x.parquet",
+            {},
+            r"x.parquet: row 3 \(row group 1\) has label -3",
+        ),
+        (lambda p: write(p / "x.parquet", [], []), "", {}, "hold no rows"),
+        (lambda p: (p / "x.parquet").write_bytes(b"\xff\xd8\xff\xe0 not parquet" * 20), "", {}, "x.parquet is not a"),
+        (lambda p: (p / "x.parquet").write_bytes(b""), "*", {}, "x.parquet is not a readable Parquet file"),
+        (
+            lambda p: (p / "x.parquet").mkdir(),
+            "",
+            {},
+            "x.parquet is a folder, not a regular file; remove it or fix path",
+        ),
+        (lambda p: os.symlink(p / "gone", p / "x.parquet"), "", {}, "symlink to nothing"),
+    ]
+
+
+@pytest.mark.parametrize("setup, name, overrides, message", _error_cases())
+def test_data_errors_name_the_file_and_the_fix(tmp_path, setup, name, overrides, message):
+    setup(tmp_path)
+    with pytest.raises(DataError, match=message) as caught:
+        scan_parquet({**source(tmp_path / name), **overrides}, WHERE)
+    assert str(caught.value).startswith(WHERE) and "\n" not in str(caught.value)
+
+
+def test_each_file_is_checked_against_the_columns(tmp_path):
+    write(tmp_path / "a.parquet", jpegs(2), [0, 1])
+    write(tmp_path / "b.parquet", jpegs(2), ["x", "y"], label_type=pa.string())
+    with pytest.raises(DataError, match="b.parquet: label_column 'label' is string"):
+        scan_parquet(source(tmp_path), WHERE)
+
+
+@pytest.mark.timeout(5)
+def test_fifo_is_refused_without_blocking(tmp_path):
+    os.mkfifo(tmp_path / "x.parquet")  # nobody writes it: a blocking open would hang
+    with pytest.raises(DataError, match="x.parquet is a FIFO"):
+        scan_parquet(source(tmp_path / "x.parquet"), WHERE)
+    with pytest.raises(DataError, match="x.parquet is a FIFO"):
+        scan_parquet(source(tmp_path), WHERE)
+
+
+def test_symlink_to_a_file_is_fine(tmp_path):
+    images = jpegs(2)
+    write(tmp_path / "real.parquet", images, [0, 1])
+    (tmp_path / "data").mkdir()
+    os.symlink(tmp_path / "real.parquet", tmp_path / "data" / "x.parquet")
+    index = scan_parquet(source(tmp_path / "data"), WHERE)
+    assert read_all(index, ParquetRows(), range(2)) == dict(enumerate(images))
+
+
+@pytest.mark.timeout(5)
+def test_file_changed_after_indexing_is_a_bad_sample_not_a_crash(tmp_path):
+    images = jpegs(8)
+    path = write(tmp_path / "x.parquet", images, list(range(8)), row_group_size=2)
+    index = scan_parquet(source(path), WHERE)
+    reader = ParquetRows()
+    assert reader.read(str(path), 0, 0, "image") == images[0]
+    data = path.read_bytes()
+    for broken in (data[: len(data) // 2], data[:-1], data[len(data) // 2 :]):
+        path.with_suffix(".tmp").write_bytes(broken)
+        os.replace(path.with_suffix(".tmp"), path)  # a new inode: the reader notices and opens it again
+        with pytest.raises(ValueError, match="x.parquet"):
+            reader.read(index.path(3), *index.member(3), "image")
+    os.unlink(path)
+    with pytest.raises(ValueError, match="x.parquet cannot be read .No such file"):
+        reader.read(str(path), 1, 0, "image")
+    os.mkfifo(path)  # put in place of the file: refused, never opened for a blocking read
+    with pytest.raises(ValueError, match="not a regular file"):
+        reader.read(str(path), 1, 0, "image")
+    os.unlink(path)
+    write(path, images[::-1], list(range(8)), row_group_size=2)
+    assert reader.read(str(path), 0, 0, "image") == images[7]  # a new file there is read afresh
+    reader.close()
+
+
+def test_missing_pyarrow_is_a_config_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # import pyarrow now raises ImportError
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(ConfigError, match=r"pip install 'prefetchd\[parquet\]'"):
+        scan_parquet(source(tmp_path / "x.parquet"), WHERE)
