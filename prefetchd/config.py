@@ -135,13 +135,16 @@ class Config:
         if self.decoder != "pillow":  # so configs from before the choice existed keep their hash
             augment.append(self.decoder)
         augment = json.dumps(augment, sort_keys=True).encode()
-        return {
+        content = {
             "seed": self.seed,
             "samples": num_samples,
             "drop_last": self.drop_last,
             "data": data_fingerprint,
             "augment": hashlib.sha256(augment).hexdigest()[:16],
         }
+        if self.mode == "eval":  # in order and padded; the client reads it here (training keeps its hash)
+            content.update(mode="eval", drop_last=False)
+        return content
 
 
 def content_hash(content: dict) -> str:

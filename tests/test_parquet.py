@@ -64,6 +64,7 @@ def test_binary_column_row_groups_read_back_in_random_order_with_bounded_cache(t
         assert reader.read(index.path(i), *index.member(i), "image") == images[i]
         seen_max = max(seen_max, reader.cached_bytes)
     assert 0 < seen_max <= bound
+    assert 1 <= len(reader._groups) < 8  # row groups were evicted, the most recent kept
     reader.close()
     assert reader.cached_bytes == 0
 

@@ -126,6 +126,7 @@ class PrefetchLoader:
         self.rank = default_rank if rank is None else int(rank)
         self.world_size = default_world if world_size is None else int(world_size)
         check_plan(self.manifest, self._paths, self.rank, self.world_size)
+        self.evaluation = self.manifest["config"].get("mode") == "eval"  # [job] mode = "eval"
         self.timeout = float(timeout)
         self.restart_grace = float(restart_grace)
         self.verify = os.environ.get(VERIFY_ENV) == "1" if verify is None else bool(verify)
@@ -265,7 +266,15 @@ class PrefetchLoader:
         finished, self._finished_by_state = self._finished_by_state, None
         empty, self._rest_is_empty = self._rest_is_empty, False
         self._epoch_set = None
-        return (finished, len(self)) if empty else self.position
+        epoch, step = (finished, len(self)) if empty else self.position
+        if self.evaluation and 0 < step < len(self):
+            # An evaluation left mid-epoch (Lightning's sanity check reads two batches) is not
+            # resumed: every evaluation reads a whole epoch, and every epoch is the same.
+            return epoch + 1, 0
+        return epoch, step
+
+    # Lightning reads it beside ``sampler`` before validating (is the loader shuffled?): there is none.
+    batch_sampler = None
 
     @property
     def sampler(self) -> _EpochSampler:

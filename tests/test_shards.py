@@ -1,0 +1,188 @@
+"""WebDataset shards as a source: indexing, its cache, and damaged or hostile shards, which
+are bad samples (never a crash, never a shifted id) or a data error naming the shard."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from prefetchd import shards
+from prefetchd.datagen import make_image
+from prefetchd.errors import DataError
+from prefetchd.sources import NO_LABEL, TAR_MEMBER
+
+from .conftest import start_job, write_config
+from .helpers import read_epoch
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def jpeg(seed: int) -> bytes:
+    buf = io.BytesIO()
+    make_image(np.random.default_rng(seed), 64, 48).save(buf, "JPEG")
+    return buf.getvalue()
+
+
+def write_shard(path: Path, samples: list[dict[str, bytes]]) -> Path:
+    """A tar of samples: each a dict of extension -> member bytes, keyed 000000, 000001, ..."""
+    with tarfile.open(path, "w") as tar:
+        for i, sample in enumerate(samples):
+            for ext, data in sample.items():
+                info = tarfile.TarInfo(f"{i:06d}.{ext}")
+                info.size, info.mtime = len(data), 0
+                tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def good(n: int, first_label: int = 0) -> list[dict[str, bytes]]:
+    return [{"jpg": jpeg(i), "cls": str((first_label + i) % 3).encode()} for i in range(n)]
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("PREFETCHD_CACHE", str(tmp_path / "cache"))
+
+
+def scan(urls, **keys):
+    return shards.scan_webdataset({"urls": urls, **keys}, "[[source]] #1 (webdataset)")
+
+
+def test_brace_patterns_name_the_shards_in_order_and_members_read_back(tmp_path):
+    for j in range(3):
+        write_shard(tmp_path / f"a-{j:02d}.tar", good(4, first_label=j))
+    write_shard(tmp_path / "b.tar", good(2))
+    index = scan([str(tmp_path / "a-{00..02}.tar"), str(tmp_path / "b.tar")])
+    assert len(index) == 14 and (index.kinds == TAR_MEMBER).all()
+    assert [os.path.basename(index.path(i)) for i in (0, 4, 8, 12)] == ["a-00.tar", "a-01.tar", "a-02.tar", "b.tar"]
+    assert index.labels[:8].tolist() == [0, 1, 2, 0, 1, 2, 0, 1]
+    reader = shards.TarMembers()
+    try:
+        assert reader.read(index.path(5), *index.member(5)) == jpeg(1)
+    finally:
+        reader.close()
+
+
+def test_labels_from_a_json_key_and_what_is_not_a_label(tmp_path):
+    samples = [
+        {"jpg": jpeg(0), "json": json.dumps({"label": 7}).encode()},
+        {"jpg": jpeg(1), "json": b'{"label": "seven"}'},
+        {"jpg": jpeg(2), "json": b"[" * 100_000},
+        {"jpg": jpeg(3), "json": b'{"label": -1}'},
+        {"jpg": jpeg(4), "json": b"\xff\xfe not json"},
+        {"jpg": jpeg(5)},
+    ]
+    index = scan(str(write_shard(tmp_path / "s.tar", samples)), label_key="label")
+    assert index.labels.tolist() == [7] + [NO_LABEL] * 5
+    cls = scan(str(write_shard(tmp_path / "c.tar", [{"jpg": jpeg(0), "cls": b" 12\n"}, {"jpg": jpeg(1), "cls": b"x"}])))
+    assert cls.labels.tolist() == [12, NO_LABEL]
+
+
+def test_the_first_image_kind_wins_and_a_sample_without_one_has_none(tmp_path):
+    samples = [{"png": b"PNG", "jpg": b"JPG", "cls": b"1"}, {"txt": b"only text", "cls": b"2"}]
+    index = scan(str(write_shard(tmp_path / "s.tar", samples)))
+    reader = shards.TarMembers()
+    try:
+        assert reader.read(index.path(0), *index.member(0)) == b"JPG"
+        with pytest.raises(ValueError, match="no image member"):
+            reader.read(index.path(1), *index.member(1))
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize(
+    "make, phrase",
+    [
+        (lambda p: None, "cannot read shard"),
+        (lambda p: os.mkfifo(p), "not a regular file"),
+        (lambda p: os.mkdir(p), "not a regular file"),
+        (lambda p: p.write_bytes(b"this is not a tar file at all" * 100), "not a readable tar file"),
+    ],
+)
+def test_a_missing_or_unreadable_shard_is_a_data_error_naming_it(tmp_path, make, phrase):
+    path = tmp_path / "train-000001.tar"
+    make(path)
+    with pytest.raises(DataError, match=phrase) as err:
+        scan(str(path))
+    assert str(path) in str(err.value)
+
+
+def test_a_truncated_shard_keeps_its_ids_and_its_cut_member_is_unreadable(tmp_path):
+    whole = write_shard(tmp_path / "whole.tar", good(6)).read_bytes()
+    index = scan(str(tmp_path / "whole.tar"))
+    offset, size = index.member(4)
+    cut = tmp_path / "cut.tar"
+    cut.write_bytes(whole[: offset + size // 2])  # in the middle of sample 4's image
+    truncated = scan(str(cut))  # sample 4's .cls came after its image: it has no label either
+    assert len(truncated) == 5 and truncated.labels.tolist() == [*index.labels[:4].tolist(), NO_LABEL]
+    reader = shards.TarMembers()
+    try:
+        assert reader.read(str(cut), *truncated.member(3)) == jpeg(3)
+        with pytest.raises(ValueError, match="truncated"):
+            reader.read(str(cut), *truncated.member(4))
+    finally:
+        reader.close()
+    header_cut = tmp_path / "header.tar"  # in the middle of a member's header: the rest is dropped
+    header_cut.write_bytes(whole[: offset - 512 + 100])
+    assert scan(str(header_cut)).labels.tolist() == index.labels[:4].tolist()
+
+
+def test_the_index_cache_is_reused_while_the_shard_is_unchanged_and_never_trusted_blindly(tmp_path):
+    shard = write_shard(tmp_path / "s.tar", good(4))
+    first = scan(str(shard))
+    (cache,) = (tmp_path / "cache").iterdir()
+    table = np.load(cache)
+    table[:, 2] = 2  # a planted label: read back only if the cache is used
+    np.save(cache, table)
+    assert scan(str(shard)).labels.tolist() == [2, 2, 2, 2]
+    os.utime(shard, ns=(0, 10**9))  # another mtime: indexed again, into another cache file
+    assert scan(str(shard)).labels.tolist() == first.labels.tolist()
+    assert len(list((tmp_path / "cache").iterdir())) == 2
+    for garbage in (b"not npy", None):
+        for f in (tmp_path / "cache").iterdir():
+            f.unlink()
+        scan(str(shard))
+        (f,) = (tmp_path / "cache").iterdir()
+        if garbage is None:  # a well-formed table pointing past the shard's end
+            bad = np.load(f)
+            bad[:, 0] = 10**12
+            np.save(f, bad)
+        else:
+            f.write_bytes(garbage)
+        assert scan(str(shard)).labels.tolist() == first.labels.tolist()
+
+
+def test_a_fifo_swapped_in_after_indexing_is_unreadable_not_a_hang(tmp_path):
+    shard = write_shard(tmp_path / "s.tar", good(2))
+    index = scan(str(shard))
+    shard.unlink()
+    os.mkfifo(shard)
+    reader = shards.TarMembers()
+    try:
+        with pytest.raises(ValueError, match="no longer a regular file"):
+            reader.read(str(shard), *index.member(0))
+    finally:
+        reader.close()
+
+
+def test_bad_samples_in_a_served_shard_are_replaced_and_recorded_without_shifting_ids(tmp_path, job_root):
+    samples = good(12)
+    samples[2] = {"jpg": b"\xff\xd8 not a jpeg", "cls": b"1"}  # an image member that is no image
+    samples[5] = {"jpg": jpeg(5)}  # no label
+    samples[7] = {"txt": b"no image", "cls": b"0"}  # no image member
+    shard = write_shard(tmp_path / "s.tar", samples)
+    source = f'kind = "webdataset"\nurls = "{shard}"'
+    start_job(write_config(tmp_path, tmp_path, name="bad", batch_size=4, source=source))
+    batches = read_epoch("bad", with_meta=True)
+    replaced = {r["index"]: r for b in batches for r in b.meta["replaced"]}
+    assert sorted(replaced) == [2, 5, 7]
+    assert "no label" in replaced[5]["error"] and "no image member" in replaced[7]["error"]
+    assert str(shard) in replaced[2]["path"]
+    for b in batches:  # every other sample keeps its id and its label
+        for i, label in zip(b.arrays["index"].tolist(), b.arrays["label"].tolist()):
+            assert i not in (2, 5, 7) and label == i % 3
