@@ -240,14 +240,14 @@ def _check_source(i: int, src, base: Path) -> dict:
     _check_keys(src, _SOURCE_KEYS[kind], f"{where} ({kind})")
     key = _DATA_KEY[kind]
     value = src.get(key)
-    if kind == "webdataset" and isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
-        located = [_resolve(v, base) for v in value]
-    elif isinstance(value, str) and value:
-        located = _resolve(value, base)
-    else:
+    patterns = value if isinstance(value, list) and value else [value]
+    if not all(isinstance(v, str) and v for v in patterns) or (kind != "webdataset" and isinstance(value, list)):
         several = " (or a list of them)" if kind == "webdataset" else ""
         raise ConfigError(f'{where} ({kind}) needs {key} = "..."{several} (or pass --data PATH)')
-    src = {**src, key: located}
+    if kind == "webdataset":  # brace patterns: each shard they name is resolved against `base` (shards.py)
+        src = {**src, "base": str(base)}
+    else:
+        src = {**src, key: _resolve(value, base)}
     for option, default in _SOURCE_STRINGS.items():
         if option not in _SOURCE_KEYS[kind]:
             continue
@@ -322,13 +322,13 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
     elif specs:
         raise ConfigError("use either [pipeline] callable (--pipeline) or [[transform]] entries, not both")
     if values["mode"] == "eval":
-        _check_eval(specs, sources)
+        _check_eval(specs if values["pipeline"] is None else [], sources)  # a callable's draws are its own
     return Config(**values, sources=sources, transforms=tuple(specs))
 
 
 def _check_eval(specs: list, sources: tuple[dict, ...]) -> None:
     """An evaluation job reads every sample once, as it is: nothing random, nothing weighted."""
-    random = transforms.random_steps(specs)
+    random = transforms.random_steps(specs) if specs else []
     if random:
         raise ConfigError(
             f'{random[0]} is random, but [job] mode = "eval" reads every sample as it is: use '

@@ -251,6 +251,8 @@ class BatchProducer:
                     "replacement": self._replace(arrays, slot, epoch, sid, pass_),
                 }
             )
+            if self.plan.evaluation:  # the stand-in is counted where it is itself: not here too
+                arrays["valid"][slot] = False
         report.per_source = np.bincount(
             self.plan.source_of(arrays["index"]), minlength=len(self.spec.source_names)
         ).tolist()

@@ -28,7 +28,10 @@ class SampleReader:
         if kind == FILE:
             return None
         if self.index.labels[sid] == NO_LABEL:
-            raise ValueError("the sample has no label (no .cls member, or its label key is missing)")
+            raise ValueError(
+                "the sample has no label (its label is null)" if kind == PARQUET_ROW
+                else "the sample has no label (no .cls member, or its .json has no such label key)"
+            )
         a, b = self.index.member(sid)
         if kind == TAR_MEMBER:
             return self._tars.read(self.index.path(sid), a, b)

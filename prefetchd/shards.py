@@ -12,6 +12,7 @@ expected is rebuilt, never trusted.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -20,6 +21,7 @@ import re
 import stat
 import tarfile
 from collections import OrderedDict
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -30,35 +32,53 @@ from .sources import NO_LABEL, TAR_MEMBER, SampleIndex
 log = logging.getLogger(__name__)
 
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")  # the first present is the sample's image
-_CACHE_VERSION = 1
+_CACHE_VERSION = 2
+MAX_SHARDS = 1_000_000  # what urls may name: a pattern like {0..99999999} is a mistake, not a dataset
 _MAX_LABEL_BYTES = 1 << 20  # a .cls or .json member bigger than this is not a label
 _OPEN_SHARDS = 64  # a worker keeps this many shards open
 READ_AHEAD_BYTES = 64 << 20  # at most this much is asked for ahead, per batch
 # WebDataset's split of a member name into the sample's key and the member's extension.
 _KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)[.]([^/]*)$")
+_RANGE = re.compile(r"\{(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?\}")
 
 
-def expand_urls(urls: str | list[str], where: str) -> list[str]:
-    """The shard paths that the brace patterns name (``train-{000000..000127}.tar``), in order."""
+def expand_urls(urls: str | list[str], base: str = "") -> Iterator[str]:
+    """The shard paths that the brace patterns name (``train-{000000..000127}.tar``), in order,
+    lazily; a relative one joined to ``base`` (the config's folder), then made absolute."""
     from braceexpand import braceexpand
 
-    patterns = [urls] if isinstance(urls, str) else list(urls)
-    shards = [path for pattern in patterns for path in braceexpand(pattern)]
-    if not shards:
-        raise DataError(f"{where}: urls names no shard")
-    return shards
+    for pattern in [urls] if isinstance(urls, str) else urls:
+        names = _range_product(pattern)
+        if names > MAX_SHARDS:  # braceexpand builds a range's names before the first comes out
+            raise DataError(
+                f"urls pattern {pattern!r} names {names:,} shards, more than {MAX_SHARDS:,}; is a brace range too wide?"
+            )
+        for path in braceexpand(pattern):
+            yield os.path.abspath(os.path.join(base, os.path.expanduser(path)))
+
+
+def _range_product(pattern: str) -> int:
+    """How many names the numeric ranges ``{A..B}`` / ``{A..B..STEP}`` of a pattern make together."""
+    names = 1
+    for m in _RANGE.finditer(pattern):
+        names *= abs(int(m[2]) - int(m[1])) // max(abs(int(m[3] or 1)), 1) + 1
+    return names
 
 
 def scan_webdataset(src: dict, where: str) -> SampleIndex:
     """Index the shards of a ``kind = "webdataset"`` source: one sample per key, in shard order."""
-    shards = expand_urls(src["urls"], where)
     label_key = src.get("label_key")
-    counts, members, labels = [], [], []
-    for shard in shards:
+    shards, counts, members, labels = [], [], [], []
+    for shard in expand_urls(src["urls"], src.get("base", "")):  # a missing shard stops it before the rest
+        if len(shards) == MAX_SHARDS:
+            raise DataError(f"{where}: urls names more than {MAX_SHARDS:,} shards; is a brace range too wide?")
+        shards.append(shard)
         table = _shard_index(shard, label_key, where)
         counts.append(len(table))
         members.append(table[:, :2])
         labels.append(table[:, 2])
+    if not shards:
+        raise DataError(f"{where}: urls names no shard")
     if not sum(counts):
         raise DataError(f"{where}: the {len(shards)} shard(s) of urls hold no sample; is urls right?")
     return SampleIndex.in_containers(shards, counts, TAR_MEMBER, np.concatenate(members), np.concatenate(labels))
@@ -82,18 +102,25 @@ def _shard_index(shard: str, label_key: str | None, where: str) -> np.ndarray:
 
 def _index_tar(shard: str, label_key: str | None, where: str) -> np.ndarray:
     rows: list[list[int]] = []
-    key = None
+    key, end = None, 0
     try:
         with open(shard, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
             while True:
                 try:
                     member = tar.next()
-                except tarfile.ReadError as exc:  # truncated or damaged past here: keep what came before
+                    # A negative size (a pax header may say so) sends tarfile back over the same
+                    # member for ever (CPython's CVE-2025-8194): members must move forward.
+                    if member is not None and (member.size < 0 or member.offset < end):
+                        raise tarfile.ReadError(f"a member at byte {member.offset} goes backwards")
+                except (tarfile.ReadError, OSError, ValueError, OverflowError) as exc:
+                    # truncated or damaged past here: keep what came before
                     log.warning("shard %s is damaged after %d samples (%s); the rest of it is not served",
                                 shard, len(rows), exc)
                     break
                 if member is None:
                     break
+                end = member.offset_data + member.size
+                tar.members.clear()  # tarfile keeps every member it read: 1e5 members would stay in memory
                 m = _KEY_EXT.match(member.name)
                 if not member.isreg() or m is None or os.path.basename(member.name).startswith("."):
                     continue
@@ -130,7 +157,11 @@ def _cache_root() -> Path:
 
 
 def _cache_file(shard: str, st: os.stat_result, label_key: str | None) -> Path:
-    ident = json.dumps([_CACHE_VERSION, os.path.realpath(shard), label_key, st.st_size, st.st_mtime_ns])
+    # The inode and ctime too: a shard rewritten in place with its mtime set back (cp -p, rsync -a)
+    # changes its ctime, and one replaced by rename its inode.
+    ident = json.dumps(
+        [_CACHE_VERSION, os.path.realpath(shard), label_key, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
+    )
     return _cache_root() / (hashlib.sha256(ident.encode()).hexdigest()[:32] + ".npy")
 
 
@@ -138,8 +169,10 @@ def _load_cached(cache: Path, shard_size: int) -> np.ndarray | None:
     try:
         if not stat.S_ISREG(os.lstat(cache).st_mode):  # a FIFO would block np.load
             return None
-        table = np.load(cache, allow_pickle=False)
-    except (OSError, ValueError, EOFError):
+        # Mapped, then copied: a header that claims more rows than the file holds fails the
+        # mapping, where a plain load would first allocate what it claims.
+        table = np.array(np.load(cache, mmap_mode="r", allow_pickle=False))
+    except Exception:  # noqa: BLE001 - whatever is wrong with a cache file, it is indexed again
         return None
     if table.dtype != np.int64 or table.ndim != 2 or table.shape[1] != 3:
         return None
@@ -160,7 +193,8 @@ def _save_cached(cache: Path, table: np.ndarray) -> None:
         os.replace(tmp, cache)
     except OSError as exc:
         log.info("shard index cache not written (%s): %s", cache, exc)
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
 
 
 class TarMembers:

@@ -163,3 +163,27 @@ def test_an_evaluation_job_beside_a_training_job_in_lightning_gives_the_datasets
     assert result["correct"] == (logits.argmax(1) == labels).sum().item()
     loss = torch.nn.functional.cross_entropy(logits, labels).item()
     assert result["loss"] == pytest.approx(loss, rel=1e-5)
+
+
+def test_a_pipeline_callable_may_serve_an_evaluation(tmp_path):
+    path = tmp_path / "p.toml"
+    path.write_text('[job]\nmode = "eval"\n[pipeline]\ncallable = "mypkg.eval:make_sample"\n'
+                    f'[[source]]\nkind = "image_folder"\nroot = "{tmp_path}"\n')
+    assert load_config(path).pipeline == "mypkg.eval:make_sample"
+
+
+def test_a_replaced_sample_is_not_counted_twice_in_an_evaluation(tmp_path, job_root):
+    from .test_shards import good, write_shard
+
+    samples = good(7)
+    samples[3] = {"jpg": b"not an image", "cls": b"0"}
+    shard = write_shard(tmp_path / "val.tar", samples)
+    path = eval_config(tmp_path, tmp_path, world_size=1, batch_size=3)
+    path.write_text(path.read_text().replace(
+        f'kind = "image_folder"\nroot = "{tmp_path}"', f'kind = "webdataset"\nurls = "{shard}"'
+    ).replace("[daemon]", "[daemon]\nmax_bad_rate = 1.0"))
+    start_job(path)
+    batches = read_epoch("val", world_size=1, with_meta=True)
+    valid = [i for b in batches for i, ok in zip(b.arrays["index"].tolist(), b.arrays["valid"].tolist()) if ok]
+    assert valid == [0, 1, 2, 4, 5, 6]  # sample 3's stand-in is counted where it stands itself
+    assert [r["index"] for b in batches for r in b.meta["replaced"]] == [3]

@@ -186,3 +186,50 @@ def test_bad_samples_in_a_served_shard_are_replaced_and_recorded_without_shiftin
     for b in batches:  # every other sample keeps its id and its label
         for i, label in zip(b.arrays["index"].tolist(), b.arrays["label"].tolist()):
             assert i not in (2, 5, 7) and label == i % 3
+
+
+def test_a_pax_header_with_a_negative_size_ends_the_shard_instead_of_looping(tmp_path):
+    # tarfile would read the same member again and again, keeping each (CPython's CVE-2025-8194).
+    path = tmp_path / "loop.tar"
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for i, sample in enumerate(good(3)):
+            for ext, data in sample.items():
+                info = tarfile.TarInfo(f"{i:06d}.{ext}")
+                info.size = len(data)
+                if i == 2 and ext == "jpg":
+                    info.pax_headers = {"size": "-1536"}
+                tar.addfile(info, io.BytesIO(data))
+    assert len(scan(str(path))) == 2
+
+
+def test_urls_resolve_each_shard_after_expansion_against_the_configs_folder(tmp_path):
+    (tmp_path / "sub").mkdir()
+    write_shard(tmp_path / "sub" / "a.tar", good(2))
+    write_shard(tmp_path / "b.tar", good(3))
+    inside = f"{{{tmp_path / 'sub' / 'a.tar'},{tmp_path / 'b.tar'}}}"  # absolute paths inside the braces
+    assert len(scan(inside)) == 5
+    relative = shards.scan_webdataset({"urls": "{sub/a,b}.tar", "base": str(tmp_path)}, "test")
+    assert len(relative) == 5 and relative.path(0) == str(tmp_path / "sub" / "a.tar")
+
+
+def test_a_brace_range_of_millions_is_refused_before_it_is_expanded(tmp_path):
+    with pytest.raises(DataError, match="names 100,000,000 shards, more than 1,000,000"):
+        scan(str(tmp_path / "x-{0..99999999}.tar"))
+    with pytest.raises(DataError, match="names 1,003,002 shards"):
+        scan(str(tmp_path / "x-{0..1000}-{0..1000..2}-{1..2}.tar"))
+    with pytest.raises(DataError, match="cannot read shard .*x-0.tar"):  # the first missing one, at once
+        scan(str(tmp_path / "x-{0..999999}.tar"))
+
+
+@pytest.mark.parametrize("trouble", ["cache is a file", "header claims 10**12 rows"])
+def test_a_cache_that_cannot_be_used_costs_an_indexing_not_the_start(tmp_path, monkeypatch, trouble):
+    shard = write_shard(tmp_path / "s.tar", good(3))
+    if trouble == "cache is a file":
+        (tmp_path / "not-a-folder").write_bytes(b"")
+        monkeypatch.setenv("PREFETCHD_CACHE", str(tmp_path / "not-a-folder"))
+    else:
+        scan(str(shard))
+        (cache,) = (tmp_path / "cache").iterdir()
+        data = cache.read_bytes()
+        cache.write_bytes(data.replace(b"(3, 3)", b"(1000000000000, 3)", 1))
+    assert scan(str(shard)).labels.tolist() == [0, 1, 2]
