@@ -25,7 +25,7 @@ from prefetchd_client.manifest import VersionMismatch, check_manifest, read_mani
 
 from . import control, settings
 from .config import load_config
-from .errors import DaemonStop, ExitCode, JobError, UserError, error_from_json
+from .errors import DaemonStop, ExitCode, JobError, UserError, describe, error_from_json
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Prefetch augmented training batches into a tmpfs buffer."
@@ -345,6 +345,8 @@ def pack(
             )
     except UserError as exc:
         raise _fail(exc) from None
+    except Exception as exc:  # noqa: BLE001 - a bug or the unforeseen: one line (pack removes what it wrote)
+        raise _fail(DaemonStop(f"internal error while packing: {describe(exc)}", ExitCode.INTERNAL)) from None
     err.print(packing.summary(manifest), highlight=False)
     out.print(f"pack: {out_dir}", highlight=False)
 

@@ -45,6 +45,7 @@ from pathlib import Path
 
 from PIL import Image
 
+from . import workerserver
 from .errors import ConfigError, DataError, UserError
 from .sizes import format_size, parse_size
 from .sources import SampleIndex, find_classes, read_file_list, scan_image_folder
@@ -141,6 +142,7 @@ def _encoded(index: SampleIndex, opts: PackOptions):
             yield from _encode_chunk(paths, opts.max_short_side, opts.quality)
         return
     ctx = get_context("forkserver")  # fork would copy the parent's threads (rich's refresher) mid-state
+    workerserver.fit_socket_folder()
     with ProcessPoolExecutor(opts.workers, mp_context=ctx) as pool:
         pending = []
         try:

@@ -22,6 +22,7 @@ import multiprocessing.forkserver
 import os
 import signal
 import sys
+import tempfile
 import time
 
 CONTEXT = multiprocessing.get_context("forkserver")
@@ -35,8 +36,26 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 def start() -> None:
     """Boot the server now (in the background; a no-op when it runs). A worker started before
     it is ready waits for it; one started after it died starts it again."""
+    fit_socket_folder()
     CONTEXT.set_forkserver_preload(PRELOAD)
     multiprocessing.forkserver.ensure_running()
+
+
+# multiprocessing binds a fork server's socket at $TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX: 32
+# bytes after the folder, and a socket path holds at most 107.
+_SOCKET_FOLDER_MAX = 107 - 32
+
+
+def fit_socket_folder() -> None:
+    """Where $TMPDIR is too long for a socket path (a batch scheduler's per-job folder can be),
+    this process's temporary files go to the first short system folder it may write instead;
+    Python 3.11's multiprocessing would fail with "AF_UNIX path too long"."""
+    if len(os.fsencode(tempfile.gettempdir())) <= _SOCKET_FOLDER_MAX:
+        return
+    for folder in ("/tmp", "/var/tmp", "/dev/shm"):
+        if os.access(folder, os.W_OK | os.X_OK):
+            tempfile.tempdir = folder
+            return
 
 
 def unstick() -> bool:

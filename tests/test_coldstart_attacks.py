@@ -133,6 +133,17 @@ def test_a_start_that_never_hands_over_its_daemon_leaves_no_temporary_folder(tmp
     assert list(job_root.iterdir()) == []
 
 
+def test_a_tmpdir_too_long_for_a_socket_path_does_not_stop_start(tmp_path, jpeg_folder, job_root):
+    # A batch scheduler's per-job $TMPDIR can be longer than a socket path may be (107 bytes).
+    long = tmp_path / ("t" * 80)
+    long.mkdir()
+    result = cli("start", str(write_config(tmp_path, jpeg_folder)), env={"TMPDIR": str(long)})
+    assert result.returncode == 0, result.stderr
+    assert len(read_epoch("job")) == 12
+    assert cli("stop", "job").returncode == 0
+    assert list(long.iterdir()) == []
+
+
 # -- the fork server: stopped, killed ----------------------------------------------------
 
 

@@ -6,6 +6,8 @@ import hashlib
 import io
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -88,13 +90,18 @@ def test_same_bytes_on_a_rerun_and_with_any_worker_count(folder, tmp_path):
     assert len(runs[0]) > 2 and runs[0] == runs[1] == runs[2]
 
 
-def test_pack_leaves_no_temporary_folder(folder, tmp_path):
-    # Its workers come from a fork server, whose socket folder (pymp-*) lives in $TMPDIR.
-    temp = tmp_path / "tmp"
-    temp.mkdir()
-    result = cli("pack", str(folder), str(tmp_path / "out"), "--workers", "2", env={"TMPDIR": str(temp)})
-    assert result.returncode == 0, result.stderr
-    assert list(temp.iterdir()) == []
+@pytest.mark.parametrize("length", ["short", "too long for a socket path"])
+def test_pack_leaves_no_temporary_folder(folder, tmp_path, length):
+    # Its workers come from a fork server, whose socket folder (pymp-*) lives in $TMPDIR, unless
+    # that is too long for a socket's path (a batch scheduler's per-job folder): then in /tmp.
+    temp = Path(tempfile.mkdtemp(dir="/dev/shm")) if length == "short" else tmp_path / ("t" * 80)
+    temp.mkdir(exist_ok=True)
+    try:
+        result = cli("pack", str(folder), str(tmp_path / "out"), "--workers", "2", env={"TMPDIR": str(temp)})
+        assert result.returncode == 0, result.stderr
+        assert list(temp.iterdir()) == []
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_max_short_side_shrinks_big_images_and_keeps_jpeg(tmp_path):
