@@ -1,11 +1,11 @@
 """Parquet files as a source: one sample per row, its image the encoded bytes in a column.
 
 The index is built from each file's footer and its label column alone, never its images, so
-indexing costs a read of the labels. Parquet has no random access below a row group: a
-worker reads a row group's image column whole (for a Hugging Face ``Image`` struct only its
-``bytes`` child) and keeps recent ones in a byte-bounded LRU, so the other samples of that row
-group, in this batch or a later one, cost nothing more. pyarrow is an optional extra, imported
-only here and only when a Parquet source is used.
+indexing costs a read of the labels. pyarrow reads no less than a row group: a worker reads a
+row from its data page instead where parquetpages can (nearly every image column), and
+otherwise reads the row group's image column whole (for a Hugging Face ``Image`` struct only
+its ``bytes`` child) and keeps recent ones in a byte-bounded LRU. pyarrow is an optional extra,
+imported only here (and by parquetpages to decompress) and only when a Parquet source is used.
 
 No file is opened before a stat says it is a regular file, and the open itself is O_NONBLOCK:
 a FIFO planted under a ``.parquet`` name would otherwise block its reader forever.
@@ -21,10 +21,12 @@ from collections import OrderedDict
 import numpy as np
 
 from .errors import ConfigError, DataError
+from .parquetpages import ColumnChunk, Unsupported
 from .sources import NO_LABEL, PARQUET_ROW, SampleIndex
 
 CACHE_BYTES = 64 << 20  # decoded image columns of row groups kept per reader
 OPEN_FILES = 32  # open ParquetFile objects kept per reader
+_CHUNKS = 4096  # page tables kept per reader (a few hundred bytes each)
 _IMAGE_TYPES = "binary, large_binary, or a struct with a binary 'bytes' field (Hugging Face datasets' Image)"
 
 
@@ -199,18 +201,29 @@ class ParquetRows:
     and its cached row groups dropped; until then, cached row groups serve what was read.
     """
 
-    def __init__(self, cache_bytes: int = CACHE_BYTES, open_files: int = OPEN_FILES):
-        self.cache_bytes = cache_bytes
+    def __init__(self, cache_bytes: int = CACHE_BYTES, open_files: int = OPEN_FILES, pages: bool = True):
+        """``pages``: read a row from its data page where parquetpages can (False: row groups only)."""
+        self.cache_bytes, self.pages = cache_bytes, pages
         self.open_files = open_files
         self.cached_bytes = 0
         self._groups: OrderedDict[tuple[str, str, int], object] = OrderedDict()  # -> a binary pyarrow Array
-        self._files: OrderedDict[str, tuple] = OrderedDict()  # path -> (ParquetFile, identity, {column: read as})
+        # path -> (ParquetFile, identity, {column: read as}, fd for parquetpages or None)
+        self._files: OrderedDict[str, tuple] = OrderedDict()
+        # (path, column, row group) -> its pages, or None: read the row group whole
+        self._chunks: OrderedDict[tuple[str, str, int], ColumnChunk | None] = OrderedDict()
 
     def read(self, path: str, row_group: int, row: int, column: str) -> bytes:
-        """The encoded image in ``column`` at ``row`` of ``row_group``; ValueError if there is none."""
+        """The encoded image in ``column`` at ``row`` of ``row_group``; ValueError if there is none.
+        From its data page alone where parquetpages reads the column; else from its row group."""
         key = (path, column, row_group)
         images = self._groups.get(key)
         if images is None:
+            chunk = self._chunk(path, row_group, column) if self.pages else None
+            if chunk is not None:
+                try:
+                    return self._page_value(chunk, path, row_group, row, column)
+                except Unsupported:
+                    self._chunks[key] = None  # this chunk is read whole from now on
             images = self._load(path, row_group, column)
         else:
             self._groups.move_to_end(key)
@@ -221,9 +234,44 @@ class ParquetRows:
             raise ValueError(f"{_shown(path)}: null image in column {column!r} (row group {row_group}, row {row})")
         return value
 
+    def _page_value(self, chunk: ColumnChunk, path: str, row_group: int, row: int, column: str) -> bytes:
+        if not 0 <= row < chunk.rows:
+            raise ValueError(f"{_shown(path)}: row {row} is out of range: row group {row_group} has {chunk.rows} rows")
+        value = chunk.value(row)
+        if value is None:
+            raise ValueError(f"{_shown(path)}: null image in column {column!r} (row group {row_group}, row {row})")
+        return value
+
+    def _chunk(self, path: str, row_group: int, column: str) -> ColumnChunk | None:
+        """The page table of the image column in this row group; None where pages are not read."""
+        key = (path, column, row_group)
+        if key in self._chunks:
+            self._chunks.move_to_end(key)
+            self._file(path)  # a changed file drops its chunks (_forget)
+            if key in self._chunks:
+                return self._chunks[key]
+        pa, _ = _pyarrow()
+        pf, _, read_as, fd = self._file(path)
+        chunk = None
+        if fd is not None and 0 <= row_group < pf.metadata.num_row_groups:
+            if column not in read_as:
+                read_as[column] = _image_read_as(pa, pf.schema_arrow, column)
+            leaf = [i for i in range(len(pf.schema)) if pf.schema.column(i).path == read_as[column]]
+            if len(leaf) == 1:
+                group = pf.metadata.row_group(row_group)
+                try:
+                    chunk = ColumnChunk(fd, group.column(leaf[0]), pf.schema.column(leaf[0]).max_definition_level,
+                                        group.num_rows)
+                except (Unsupported, OSError):
+                    chunk = None
+        self._chunks[key] = chunk
+        if len(self._chunks) > _CHUNKS:
+            self._chunks.popitem(last=False)
+        return chunk
+
     def _load(self, path: str, row_group: int, column: str):
         pa, _ = _pyarrow()
-        pf, _, read_as = self._file(path)
+        pf, _, read_as, _ = self._file(path)
         groups = pf.metadata.num_row_groups
         if not 0 <= row_group < groups:
             raise ValueError(f"{_shown(path)}: row group {row_group} is out of range: the file has {groups} now")
@@ -261,21 +309,43 @@ class ParquetRows:
             pf, identity = _open(path)
         except _Unreadable as exc:
             raise ValueError(f"{_shown(path)} {exc}; it changed since indexing") from None
-        self._files[path] = entry = (pf, identity, {})
+        self._files[path] = entry = (pf, identity, {}, _page_fd(path, identity))
         if len(self._files) > self.open_files:
-            self._files.popitem(last=False)[1][0].close()
+            self._forget(next(iter(self._files)))
         return entry
 
     def _forget(self, path: str) -> None:
         entry = self._files.pop(path, None)
         if entry is not None:
-            entry[0].close()
+            _close(entry)
         for key in [k for k in self._groups if k[0] == path]:
             self.cached_bytes -= self._groups.pop(key).get_total_buffer_size()
+        for key in [k for k in self._chunks if k[0] == path]:
+            del self._chunks[key]
 
     def close(self) -> None:
         """Close every open file and drop every cached row group."""
         while self._files:
-            self._files.popitem()[1][0].close()
+            _close(self._files.popitem()[1])
         self._groups.clear()
+        self._chunks.clear()
         self.cached_bytes = 0
+
+
+def _page_fd(path: str, identity: tuple) -> int | None:
+    """An fd of the very file pyarrow opened, for parquetpages' reads; None if it is gone or swapped."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != identity or not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _close(entry: tuple) -> None:
+    entry[0].close()
+    if entry[3] is not None:
+        os.close(entry[3])

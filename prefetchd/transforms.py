@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import io
 import math
+import os
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -383,11 +385,10 @@ class ImagePipeline:
         output_shape; may be a view into a batch buffer)."""
         if out.shape != self.output_shape or out.dtype != np.uint8:
             raise ValueError(f"out must be uint8 of shape {self.output_shape}, got {out.dtype} {out.shape}")
-        source, v = (path if data is None else io.BytesIO(data)), None
+        if data is None:
+            data = read_image_file(path)
+        source, v = io.BytesIO(data), None
         if self._native is not None:
-            if data is None:
-                with open(path, "rb") as f:
-                    data = f.read()
             size = self._native.jpeg_size(data)
             if size is not None:
                 v = self.plan(size, rng)
@@ -418,6 +419,26 @@ class ImagePipeline:
         for enhancer, factor in v.enhance:
             img = enhancer(img).enhance(factor)
         out[...] = np.asarray(img)
+
+
+MAX_FILE_BYTES = 1 << 30  # no image prefetchd decodes is bigger: a larger file is not read into memory
+
+
+def read_image_file(path: str) -> bytes:
+    """The bytes of the image file ``path``. What was indexed as a file may since have been
+    replaced by a FIFO or a device, which a plain open would block on or read without end:
+    opened without blocking, it is refused unless it is a regular file of a sane size."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path} is no longer a regular file")
+        if st.st_size > MAX_FILE_BYTES:
+            raise ValueError(f"{path} has {st.st_size} bytes, more than any image ({MAX_FILE_BYTES})")
+        with open(fd, "rb", closefd=False) as f:
+            return f.read(MAX_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
 
 
 def _open_image(source, path: str) -> Image.Image:

@@ -4,6 +4,7 @@ counted exactly; never a change in the number of batches per rank."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -31,6 +32,7 @@ def spoil(folder, rng, fraction: float) -> set[str]:
         lambda p: p.write_bytes(b"\xff\xd8\xff\xe0" + bytes(rng.integers(0, 256, 500, dtype=np.uint8))),  # garbage
         lambda p: Image.new("RGB", (8, 8)).save(p, "GIF"),  # a format not on the allow-list
         lambda p: p.unlink(),  # vanished after indexing
+        lambda p: (p.unlink(), os.mkfifo(p)),  # a FIFO in its place after indexing: a plain open would block
     ]
     for n, i in enumerate(chosen):
         damages[n % len(damages)](files[i])
