@@ -21,104 +21,14 @@ import os
 import struct
 from dataclasses import dataclass
 
+from .thriftcompact import CompactReader, Short, Unsupported
+
 _CODECS = {"UNCOMPRESSED": None, "SNAPPY": "snappy", "GZIP": "gzip", "ZSTD": "zstd", "BROTLI": "brotli",
            "LZ4_RAW": "lz4_raw", "LZ4": "lz4_hadoop"}
 _PLAIN, _PLAIN_DICTIONARY, _RLE, _RLE_DICTIONARY = 0, 2, 3, 8
 _DATA_PAGE, _INDEX_PAGE, _DICTIONARY_PAGE, _DATA_PAGE_V2 = 0, 1, 2, 3
 _MAX_PAGE_BYTES = 1 << 30
 _MAX_HEADER_BYTES = 1 << 20  # statistics can make a header long; not this long
-
-
-class Unsupported(Exception):
-    """This chunk is not one this module reads: read the row group instead."""
-
-
-class _Short(Exception):
-    """The header goes on past the bytes read: read more."""
-
-
-class _Thrift:
-    """The Thrift compact protocol, as far as a page header needs: structs of integers and
-    booleans; binaries, lists, maps and doubles skipped."""
-
-    def __init__(self, buf: bytes):
-        self.buf, self.pos = buf, 0
-
-    def _byte(self) -> int:
-        if self.pos >= len(self.buf):
-            raise _Short
-        self.pos += 1
-        return self.buf[self.pos - 1]
-
-    def _skip(self, n: int) -> None:
-        if n < 0:
-            raise Unsupported("a negative length in a page header")
-        if self.pos + n > len(self.buf):
-            raise _Short
-        self.pos += n
-
-    def _varint(self) -> int:
-        result = shift = 0
-        while True:
-            b = self._byte()
-            result |= (b & 0x7F) << shift
-            if not b & 0x80:
-                return result
-            shift += 7
-            if shift > 63:
-                raise Unsupported("a varint longer than 64 bits in a page header")
-
-    def _zigzag(self) -> int:
-        n = self._varint()
-        return (n >> 1) ^ -(n & 1)
-
-    def struct(self, depth: int = 0) -> dict[int, object]:
-        if depth > 8:
-            raise Unsupported("a page header nested too deep")
-        fields: dict[int, object] = {}
-        last = 0
-        while True:
-            head = self._byte()
-            if head == 0:
-                return fields
-            delta, kind = head >> 4, head & 0x0F
-            last = last + delta if delta else self._zigzag()
-            fields[last] = self._value(kind, depth)
-
-    def _value(self, kind: int, depth: int) -> object:
-        if kind in (1, 2):  # a boolean field carries its value in its type
-            return kind == 1
-        if kind == 3:
-            return self._byte()
-        if kind in (4, 5, 6):
-            return self._zigzag()
-        if kind == 7:
-            return self._skip(8)
-        if kind == 8:
-            return self._skip(self._varint())
-        if kind in (9, 10):  # list, set
-            head = self._byte()
-            size, element = head >> 4, head & 0x0F
-            if size == 15:
-                size = self._varint()
-            if size > len(self.buf) - self.pos:  # every element takes a byte at least
-                raise _Short
-            for _ in range(size):
-                self._byte() if element in (1, 2) else self._value(element, depth + 1)
-            return None
-        if kind == 11:  # map
-            size = self._varint()
-            if size:
-                types = self._byte()
-                if 2 * size > len(self.buf) - self.pos:
-                    raise _Short
-                for _ in range(size):
-                    for element in (types >> 4, types & 0x0F):
-                        self._byte() if element in (1, 2) else self._value(element, depth + 1)
-            return None
-        if kind == 12:
-            return self.struct(depth + 1)
-        raise Unsupported(f"Thrift type {kind} in a page header")
 
 
 @dataclass(frozen=True)
@@ -178,10 +88,10 @@ class ColumnChunk:
         size = 256
         while True:
             buf = os.pread(self.fd, min(size, self.end - offset), offset)
-            thrift = _Thrift(buf)
+            thrift = CompactReader(buf)
             try:
                 return thrift.struct(), offset + thrift.pos
-            except _Short:
+            except Short:
                 if len(buf) < min(size, self.end - offset) or size >= _MAX_HEADER_BYTES or offset + size >= self.end:
                     raise Unsupported("a page header cut short") from None
                 size *= 8
