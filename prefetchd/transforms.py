@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageEnhance
 
-from prefetchd import fastdecode, roidecode
+from prefetchd import fastdecode, roidecode, tjlib
 from prefetchd.errors import ConfigError
 from prefetchd.settings import DECODERS
 
@@ -387,6 +387,10 @@ class ImagePipeline:
             raise ValueError(f"out must be uint8 of shape {self.output_shape}, got {out.dtype} {out.shape}")
         if data is None:
             data = read_image_file(path)
+        if data[:2] == b"\xff\xd8" and data.count(b"\xff\xda") > tjlib.MAX_SCANS:  # SOS markers
+            # A progressive JPEG of thousands of tiny scans takes Pillow or simplejpeg minutes
+            # (libjpeg-turbo's scan limit guards the turbojpeg decoder alone).
+            raise Image.DecompressionBombError(f"{path}: the JPEG has more than {tjlib.MAX_SCANS} scans")
         source, v = io.BytesIO(data), None
         if self._native is not None:
             size = self._native.jpeg_size(data)
