@@ -19,15 +19,19 @@ from __future__ import annotations
 import bisect
 import os
 import struct
+import zlib
 from dataclasses import dataclass
 
 from .thriftcompact import CompactReader, Short, Unsupported
 
-_CODECS = {"UNCOMPRESSED": None, "SNAPPY": "snappy", "GZIP": "gzip", "ZSTD": "zstd", "BROTLI": "brotli",
-           "LZ4_RAW": "lz4_raw", "LZ4": "lz4_hadoop"}
+# The codecs whose output length is checked against the page's header: a page that claims more
+# than it holds would otherwise come back padded with whatever memory was there (pyarrow's
+# Codec.decompress returns the size asked for). Brotli and LZ4 pages are read by pyarrow.
+_CODECS = {"UNCOMPRESSED": None, "SNAPPY": "snappy", "GZIP": "gzip", "ZSTD": "zstd"}
 _PLAIN, _PLAIN_DICTIONARY, _RLE, _RLE_DICTIONARY = 0, 2, 3, 8
 _DATA_PAGE, _INDEX_PAGE, _DICTIONARY_PAGE, _DATA_PAGE_V2 = 0, 1, 2, 3
-_MAX_PAGE_BYTES = 1 << 30
+_MAX_PAGE_BYTES = 64 << 20  # a page claiming more (one image bigger than this) is read by pyarrow
+_MAX_DICTIONARY = 1 << 16  # entries: an image column's dictionary holds a few dozen
 _MAX_HEADER_BYTES = 1 << 20  # statistics can make a header long; not this long
 
 
@@ -99,29 +103,34 @@ class ColumnChunk:
     def _page(self, header: dict, body: int, first_row: int) -> _Page:
         kind, uncompressed, compressed = header.get(1), header.get(2), header.get(3)
         if not all(type(v) is int and 0 <= v <= _MAX_PAGE_BYTES for v in (uncompressed, compressed)):
-            raise Unsupported("a page of no size")
-        if kind == _DATA_PAGE:
-            v1 = header.get(5)
-            if not isinstance(v1, dict) or (self.max_def and v1.get(3) != _RLE):
+            raise Unsupported("a page of no size, or of more than 64 MiB")
+        if kind == _DATA_PAGE and type(kind) is int:
+            v1 = _struct(header.get(5))
+            if self.max_def and _enum(v1.get(3)) != _RLE:
                 raise Unsupported("a data page whose levels are not RLE")
-            return _Page(body, compressed, uncompressed, first_row, _count(v1.get(1)), 1, v1.get(2))
-        if kind == _DATA_PAGE_V2:
-            v2 = header.get(8)
-            if not isinstance(v2, dict) or v2.get(6, 0) != 0:
-                raise Unsupported("a v2 data page with repetition levels")
+            return _Page(body, compressed, uncompressed, first_row, _count(v1.get(1)), 1, _enum(v1.get(2)))
+        if kind == _DATA_PAGE_V2 and type(kind) is int:
+            v2 = _struct(header.get(8))
+            rows = _count(v2.get(1))
+            if _count(v2.get(6, 0)) != 0 or _count(v2.get(3)) != rows:
+                raise Unsupported("a v2 data page with repetition levels, or rows that are not its values")
             def_bytes = _count(v2.get(5, 0))
-            if def_bytes > compressed:
+            if def_bytes > min(compressed, uncompressed):
                 raise Unsupported("v2 levels longer than their page")
-            return _Page(body, compressed, uncompressed, first_row, _count(v2.get(3)), 2, v2.get(4), def_bytes,
-                         def_bytes, v2.get(7, True) is not False)
-        if kind == _DICTIONARY_PAGE:
-            d = header.get(7)
-            if not isinstance(d, dict) or d.get(2) not in (_PLAIN, _PLAIN_DICTIONARY):
-                raise Unsupported("a dictionary page that is not PLAIN")
-            return _Page(body, compressed, uncompressed, 0, _count(d.get(1)), 1, _PLAIN)
-        if kind == _INDEX_PAGE:
+            values_compressed = v2.get(7, True)
+            if type(values_compressed) is not bool:
+                raise Unsupported("a v2 page's is_compressed that is not a boolean")
+            return _Page(body, compressed, uncompressed, first_row, rows, 2, _enum(v2.get(4)), def_bytes, def_bytes,
+                         values_compressed)
+        if kind == _DICTIONARY_PAGE and type(kind) is int:
+            d = _struct(header.get(7))
+            entries = _count(d.get(1))
+            if _enum(d.get(2)) not in (_PLAIN, _PLAIN_DICTIONARY) or entries > _MAX_DICTIONARY:
+                raise Unsupported("a dictionary page that is not PLAIN, or of too many entries")
+            return _Page(body, compressed, uncompressed, 0, entries, 1, _PLAIN)
+        if kind == _INDEX_PAGE and type(kind) is int:
             return _Page(body, compressed, uncompressed, first_row, 0, 1, _PLAIN)
-        raise Unsupported(f"page type {kind}")
+        raise Unsupported(f"page type {kind!r}")
 
     def value(self, row: int) -> bytes | None:
         """The value at ``row`` of the row group (None: null)."""
@@ -129,47 +138,60 @@ class ColumnChunk:
         k = row - page.first_row
         raw = self._read(page)
         if page.version == 1:
-            data = self._decompress(raw, page.uncompressed)
+            data = memoryview(self._decompress(raw, page.uncompressed))
             if self.max_def:
                 (n,) = struct.unpack_from("<I", data, 0) if len(data) >= 4 else (-1,)
                 if not 0 <= n <= len(data) - 4:
                     raise Unsupported("definition levels longer than their page")
                 levels, values = data[4 : 4 + n], data[4 + n :]
             else:
-                levels, values = b"", data
+                levels, values = data[:0], data
         else:
-            levels = raw[: page.levels]
+            levels = memoryview(raw)[: page.levels]
             rest = raw[page.levels :]
-            values = self._decompress(rest, page.uncompressed - page.levels) if page.values_compressed else rest
+            values = memoryview(
+                self._decompress(rest, page.uncompressed - page.levels) if page.values_compressed else rest
+            )
         index = k
         if self.max_def:
             defs = _hybrid(levels, self.max_def.bit_length(), k + 1)
+            if max(defs) > self.max_def:
+                raise Unsupported("a definition level above the column's")
             if defs[k] != self.max_def:
                 return None
-            index = sum(1 for d in defs[:k] if d == self.max_def)
+            index = defs[:k].count(self.max_def)
         if page.encoding == _PLAIN:
-            return _plain(values, index)
+            return bytes(_plain(values, index))
         if page.encoding in (_PLAIN_DICTIONARY, _RLE_DICTIONARY):
             if not values:
                 raise Unsupported("dictionary indices missing")
             (i,) = _hybrid(values[1:], values[0], index + 1)[index:]
-            dictionary = self._dictionary_values()
-            if i >= len(dictionary):
+            data, ends = self._dictionary_values()
+            if i >= len(ends):
                 raise Unsupported("a dictionary index past the dictionary")
-            return dictionary[i]
+            return _entry(data, ends, i)
         raise Unsupported(f"encoding {page.encoding}")
 
-    def _dictionary_values(self) -> list[bytes]:
+    @property
+    def dictionary_bytes(self) -> int:
+        """What the decoded dictionary holds in memory (0: not decoded); the caller bounds it."""
+        return 0 if self._dictionary is None else len(self._dictionary[0]) + 8 * len(self._dictionary[1])
+
+    def drop_dictionary(self) -> None:
+        self._dictionary = None
+
+    def _dictionary_values(self) -> tuple[bytes, list[int]]:
+        """The dictionary page's bytes and where each entry ends (entry i: a 4-byte length, then it)."""
         if self._dictionary is None:
             page = self._dictionary_page
             if page is None:
                 raise Unsupported("dictionary indices without a dictionary page")
             data = self._decompress(self._read(page), page.uncompressed)
-            values, pos = [], 0
+            ends, pos = [], 0
             for _ in range(page.rows):
-                value, pos = _next_plain(data, pos)
-                values.append(value)
-            self._dictionary = values
+                pos = _next_plain(data, pos)[1]
+                ends.append(pos)
+            self._dictionary = (data, ends)
         return self._dictionary
 
     def _read(self, page: _Page) -> bytes:
@@ -179,31 +201,56 @@ class ColumnChunk:
         return raw
 
     def _decompress(self, raw: bytes, size: int) -> bytes:
+        """``raw`` decompressed, exactly ``size`` bytes long, or ValueError (a damaged page)."""
         if self.codec is None:
+            if len(raw) != size:
+                raise ValueError(f"an uncompressed page of {len(raw)} bytes that says it has {size}")
             return raw
+        if self.codec == "gzip":  # the standard library, which says how much it really produced
+            inflate = zlib.decompressobj(wbits=47)  # a gzip or zlib header
+            try:
+                data = inflate.decompress(raw, size + 1)
+            except zlib.error as exc:
+                raise ValueError(f"a damaged gzip page: {exc}") from None
+            if len(data) != size or not inflate.eof:
+                raise ValueError(f"a gzip page that does not hold the {size} bytes it says")
+            return data
+        if self.codec == "snappy" and _snappy_length(raw) != size:  # snappy says its length first
+            raise ValueError(f"a snappy page that does not hold the {size} bytes it says")
         import pyarrow as pa
 
-        try:
-            if self.codec == "lz4_hadoop":
-                return _lz4_hadoop(pa.Codec("lz4_raw"), raw, size)
+        try:  # snappy checks its stream against that length; zstd its frame against the size asked
             return pa.Codec(self.codec).decompress(raw, decompressed_size=size).to_pybytes()
         except (pa.ArrowException, OSError, ValueError) as exc:
             raise ValueError(f"a damaged {self.codec} page: {exc}") from None
 
 
-def _lz4_hadoop(codec, raw: bytes, size: int) -> bytes:
-    """Parquet's old LZ4, as Arrow reads it: blocks framed Hadoop's way (big-endian decompressed
-    and compressed sizes before each), else one raw LZ4 block (what Arrow writes)."""
-    blocks, pos = [], 0
-    while pos + 8 <= len(raw):
-        plain, packed = struct.unpack_from(">II", raw, pos)
-        if pos + 8 + packed > len(raw) or plain > size:
-            break
-        blocks.append((raw[pos + 8 : pos + 8 + packed], plain))
-        pos += 8 + packed
-    if blocks and pos == len(raw) and sum(plain for _, plain in blocks) == size:
-        return b"".join(codec.decompress(block, decompressed_size=plain).to_pybytes() for block, plain in blocks)
-    return codec.decompress(raw, decompressed_size=size).to_pybytes()
+def _entry(data: bytes, ends: list[int], i: int) -> bytes:
+    start = ends[i - 1] if i else 0
+    return bytes(data[start + 4 : ends[i]])
+
+
+def _snappy_length(raw: bytes) -> int:
+    """The uncompressed length a snappy block begins with (a varint); -1 if it has none."""
+    length = shift = 0
+    for b in raw[:5]:
+        length |= (b & 0x7F) << shift
+        if not b & 0x80:
+            return length
+        shift += 7
+    return -1
+
+
+def _struct(v: object) -> dict:
+    if not isinstance(v, dict):
+        raise Unsupported("a page header without its page's header")
+    return v
+
+
+def _enum(v: object) -> int:
+    if type(v) is not int:  # a boolean, or nothing, where an encoding belongs
+        raise Unsupported(f"an encoding that is not one: {v!r}")
+    return v
 
 
 def _count(v: object) -> int:
@@ -252,10 +299,12 @@ def _hybrid(data: bytes, bit_width: int, count: int) -> list[int]:
             nbytes = (header >> 1) * bit_width
             if pos + nbytes > len(data) or not nbytes and bit_width:
                 raise Unsupported("bit-packed values cut short")
-            packed = int.from_bytes(data[pos : pos + nbytes], "little")
+            base = pos
             pos += nbytes
-            for v in range(min((header >> 1) * 8, count - len(out))):  # bit width 0: zeros
-                out.append((packed >> (v * bit_width)) & mask)
+            for v in range(min((header >> 1) * 8, count - len(out))):  # only the bytes each value spans
+                bit = v * bit_width
+                spanned = int.from_bytes(data[base + (bit >> 3) : base + ((bit + bit_width + 7) >> 3)], "little")
+                out.append((spanned >> (bit & 7)) & mask)  # bit width 0: zeros
         else:
             run = header >> 1
             if run == 0 or pos + width > len(data):

@@ -195,8 +195,9 @@ def _labels(column, groups: np.ndarray, what: str) -> np.ndarray:
 class ParquetRows:
     """A worker's reader of Parquet rows: open files and recent row groups' images kept.
 
-    ``cached_bytes`` stays at most ``cache_bytes``, save when one row group alone is bigger:
-    that one is kept on its own, since reading it again for each of its rows would cost far more.
+    ``cached_bytes`` (row groups read whole, decoded dictionaries) stays at most ``cache_bytes``,
+    save when one row group alone is bigger: that one is kept on its own, since reading it again
+    for each of its rows would cost far more.
     A file found changed (by its inode, size or mtime) when a row group is read is opened again
     and its cached row groups dropped; until then, cached row groups serve what was read.
     """
@@ -211,6 +212,8 @@ class ParquetRows:
         self._files: OrderedDict[str, tuple] = OrderedDict()
         # (path, column, row group) -> its pages, or None: read the row group whole
         self._chunks: OrderedDict[tuple[str, str, int], ColumnChunk | None] = OrderedDict()
+        # the chunks holding a decoded dictionary (counted in cached_bytes), oldest first
+        self._dictionaries: OrderedDict[tuple[str, str, int], ColumnChunk] = OrderedDict()
 
     def read(self, path: str, row_group: int, row: int, column: str) -> bytes:
         """The encoded image in ``column`` at ``row`` of ``row_group``; ValueError if there is none.
@@ -237,10 +240,28 @@ class ParquetRows:
     def _page_value(self, chunk: ColumnChunk, path: str, row_group: int, row: int, column: str) -> bytes:
         if not 0 <= row < chunk.rows:
             raise ValueError(f"{_shown(path)}: row {row} is out of range: row group {row_group} has {chunk.rows} rows")
+        held = chunk.dictionary_bytes
         value = chunk.value(row)
+        if chunk.dictionary_bytes != held:  # a dictionary decoded: it counts against the cache's bound
+            self._make_room(chunk.dictionary_bytes)
+            self._dictionaries[(path, column, row_group)] = chunk
+            self.cached_bytes += chunk.dictionary_bytes
         if value is None:
             raise ValueError(f"{_shown(path)}: null image in column {column!r} (row group {row_group}, row {row})")
         return value
+
+    def _make_room(self, size: int) -> None:
+        """Drop the least recently cached row groups, then decoded dictionaries, until ``size`` fits."""
+        while self.cached_bytes + size > self.cache_bytes and (self._groups or self._dictionaries):
+            if self._groups:
+                self.cached_bytes -= self._groups.popitem(last=False)[1].get_total_buffer_size()
+            else:
+                self._drop_dictionary(next(iter(self._dictionaries)))
+
+    def _drop_dictionary(self, key: tuple) -> None:
+        chunk = self._dictionaries.pop(key)
+        self.cached_bytes -= chunk.dictionary_bytes
+        chunk.drop_dictionary()
 
     def _chunk(self, path: str, row_group: int, column: str) -> ColumnChunk | None:
         """The page table of the image column in this row group; None where pages are not read."""
@@ -266,7 +287,10 @@ class ParquetRows:
                     chunk = None
         self._chunks[key] = chunk
         if len(self._chunks) > _CHUNKS:
-            self._chunks.popitem(last=False)
+            old = next(iter(self._chunks))
+            if old in self._dictionaries:
+                self._drop_dictionary(old)
+            del self._chunks[old]
         return chunk
 
     def _load(self, path: str, row_group: int, column: str):
@@ -287,8 +311,7 @@ class ParquetRows:
         if pa.types.is_struct(images.type):
             images = images.flatten()[0]  # flatten, not .field(): a null struct makes its bytes null too
         size = images.get_total_buffer_size()
-        while self._groups and self.cached_bytes + size > self.cache_bytes:
-            self.cached_bytes -= self._groups.popitem(last=False)[1].get_total_buffer_size()
+        self._make_room(size)
         self._groups[(path, column, row_group)] = images
         self.cached_bytes += size
         return images
@@ -322,6 +345,8 @@ class ParquetRows:
             self.cached_bytes -= self._groups.pop(key).get_total_buffer_size()
         for key in [k for k in self._chunks if k[0] == path]:
             del self._chunks[key]
+        for key in [k for k in self._dictionaries if k[0] == path]:
+            self._drop_dictionary(key)
 
     def close(self) -> None:
         """Close every open file and drop every cached row group."""
@@ -329,6 +354,7 @@ class ParquetRows:
             _close(self._files.popitem()[1])
         self._groups.clear()
         self._chunks.clear()
+        self._dictionaries.clear()
         self.cached_bytes = 0
 
 

@@ -5,6 +5,8 @@ end."""
 
 from __future__ import annotations
 
+_MAX_DEPTH = 8  # a page header nests 3 deep (its statistics); pyarrow allows 64
+
 
 class Unsupported(Exception):
     """Not something this reader reads (the caller has another way)."""
@@ -49,7 +51,7 @@ class CompactReader:
         return (n >> 1) ^ -(n & 1)
 
     def struct(self, depth: int = 0) -> dict[int, object]:
-        if depth > 8:
+        if depth > _MAX_DEPTH:
             raise Unsupported("a page header nested too deep")
         fields: dict[int, object] = {}
         last = 0
@@ -62,6 +64,8 @@ class CompactReader:
             fields[last] = self._value(kind, depth)
 
     def _value(self, kind: int, depth: int) -> object:
+        if depth > _MAX_DEPTH:  # lists and maps nest too, not structs alone
+            raise Unsupported("a page header nested too deep")
         if kind in (1, 2):  # a boolean field carries its value in its type
             return kind == 1
         if kind == 3:

@@ -38,7 +38,7 @@ def tables(draw):
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     table=tables(),
-    compression=st.sampled_from(["none", "snappy", "gzip", "zstd", "lz4", "brotli"]),
+    compression=st.sampled_from(["none", "snappy", "gzip", "zstd"]),
     dictionary=st.booleans(),
     page_size=st.sampled_from([512, 4096, 1 << 20]),
     version=st.sampled_from(["1.0", "2.0"]),
@@ -74,7 +74,7 @@ def test_rows_are_read_from_their_pages_not_their_row_groups(tmp_path):
     try:
         order = np.random.default_rng(0).permutation(200).tolist()
         assert [reader.read(str(path), i // 100, i % 100, "image") for i in order] == [images[i] for i in order]
-        assert reader.cached_bytes == 0 and not reader._groups  # no row group was read whole
+        assert not reader._groups and reader.cached_bytes <= reader.cache_bytes  # no row group read whole
     finally:
         reader.close()
 
@@ -113,6 +113,20 @@ def test_damaged_pages_give_a_value_or_a_value_error_never_anything_else(tmp_pat
     assert outcomes["right"] > 0 and outcomes["ValueError"] > 0, outcomes
 
 
+@pytest.mark.parametrize("compression", ["lz4", "brotli"])
+def test_codecs_whose_length_is_not_checked_are_read_by_pyarrow(tmp_path, compression):
+    # pyarrow's Codec.decompress pads a page that holds less than it claims with stale memory.
+    images = [os.urandom(3000) for _ in range(30)]
+    path = tmp_path / "x.parquet"
+    pq.write_table(pa.table({"image": images}), path, compression=compression, row_group_size=10)
+    reader = ParquetRows()
+    try:
+        assert [reader.read(str(path), i // 10, i % 10, "image") for i in range(30)] == images
+        assert reader._groups, "read a row group at a time"
+    finally:
+        reader.close()
+
+
 def test_an_unsupported_chunk_falls_back_to_the_row_group(tmp_path):
     path = tmp_path / "ints.parquet"
     pq.write_table(pa.table({"image": pa.array([1, 2, 3])}), path)
@@ -123,3 +137,20 @@ def test_an_unsupported_chunk_falls_back_to_the_row_group(tmp_path):
             ColumnChunk(fd, pf.metadata.row_group(0).column(0), 1, 3)
     finally:
         os.close(fd)
+
+
+def test_decoded_dictionaries_count_against_the_cache_bound(tmp_path):
+    # pyarrow's defaults dictionary-encode a row group's first images (a page of several MB):
+    # kept for the group's other rows, but within the reader's bound.
+    images = [os.urandom(50_000) for _ in range(400)]
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"image": images}), path, row_group_size=40)
+    reader = ParquetRows(cache_bytes=4 << 20)
+    try:
+        for i in range(0, 400, 40):
+            assert reader.read(str(path), i // 40, 0, "image") == images[i]
+            assert reader.read(str(path), i // 40, 1, "image") == images[i + 1]
+            assert 0 < reader.cached_bytes <= 4 << 20 and not reader._groups
+    finally:
+        reader.close()
+    assert reader.cached_bytes == 0
