@@ -200,7 +200,7 @@ def test_a_throttled_trainer_waits_as_long_in_status_as_it_measured_itself(
     assert f"{shown:.2f} s" in text and f"{own['waited_steps']}/{steps}" in text
 
     # A second trainer of the rank (a restart) adds to the totals; a stuck one shows its wait growing.
-    # (A step's wait travels with the next report: the second step's report carries the first's.)
+    # (A step's wait travels with the next report; close() sends one more, so both steps count.)
     loader = PrefetchLoader("job", as_tensors=False, timeout=30)
     try:
         for step, _ in enumerate(loader):
@@ -208,7 +208,7 @@ def test_a_throttled_trainer_waits_as_long_in_status_as_it_measured_itself(
                 break
     finally:
         loader.close()
-    wait_until(lambda: _ranks(paths)[0]["wait"]["steps_total"] == steps + 1, timeout_s=10, what="the second loader")
+    wait_until(lambda: _ranks(paths)[0]["wait"]["steps_total"] == steps + 2, timeout_s=10, what="the second loader")
 
 
 def test_a_trainer_stuck_on_a_batch_shows_its_wait_growing(tmp_path, jpeg_folder, job_root, monkeypatch):

@@ -382,6 +382,10 @@ class PrefetchLoader:
         self._report(self._epoch, self._step)
 
     def close(self) -> None:
+        if self._finalizer.alive:
+            # The last position once more, from this thread: the read-ahead thread asked to
+            # announce the next epoch may be stopped below before it has sent it.
+            self._report(*self.position)
         self._finalizer()
 
     # -- internals -------------------------------------------------------------------------
