@@ -104,7 +104,11 @@ def _index_tar(shard: str, label_key: str | None, where: str) -> np.ndarray:
     rows: list[list[int]] = []
     key, end = None, 0
     try:
-        with open(shard, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
+        fd = os.open(shard, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO swapped in since the stat
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError(f"{shard} is no longer a regular file")
+        with open(fd, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
             while True:
                 try:
                     member = tar.next()
