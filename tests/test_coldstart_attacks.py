@@ -321,6 +321,8 @@ def test_a_scan_bomb_is_refused_by_every_decoder(tmp_path, decoder):
     with pytest.raises(Image.DecompressionBombError, match="more than 500 scans"):
         pipe.apply(str(path), np.random.default_rng(0), np.zeros(pipe.output_shape, np.uint8))
     assert time.monotonic() - started < 5
+    if decoder != "turbojpeg":
+        return
     ordinary = tj_encode(64, 64, [(_PROGRESSIVE, 1)])  # a progressive file of ~10 scans decodes
     size = roidecode.jpeg_size(ordinary)
     assert roidecode.decode_resampled(ordinary, size, (0, 0, 64, 64), 32, 32).shape == (32, 32, 3)
