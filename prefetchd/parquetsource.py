@@ -22,7 +22,7 @@ import numpy as np
 
 from .errors import ConfigError, DataError
 from .parquetpages import ColumnChunk, Unsupported
-from .sources import NO_LABEL, PARQUET_ROW, SampleIndex
+from .sources import NO_LABEL, PARQUET_ROW, SampleIndex, open_data_file
 
 CACHE_BYTES = 64 << 20  # decoded image columns of row groups kept per reader
 OPEN_FILES = 32  # open ParquetFile objects kept per reader
@@ -361,11 +361,10 @@ class ParquetRows:
 def _page_fd(path: str, identity: tuple) -> int | None:
     """An fd of the very file pyarrow opened, for parquetpages' reads; None if it is gone or swapped."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
+        fd, st = open_data_file(path)
+    except (OSError, ValueError):
         return None
-    st = os.fstat(fd)
-    if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != identity or not stat.S_ISREG(st.st_mode):
+    if (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns) != identity:
         os.close(fd)
         return None
     return fd

@@ -104,15 +104,18 @@ class Plan:
         """(sample ids, pass numbers) of batch (epoch, step, rank)."""
         if not 0 <= step < self.batches_per_epoch or not 0 <= rank < self.world_size:
             raise IndexError(f"no batch (epoch {epoch}, step {step}, rank {rank}) in this plan")
-        start = step * self.global_batch + rank * self.batch_size
-        positions = np.arange(start, start + self.batch_size) % self.epoch_length
+        positions = self._positions(step, rank) % self.epoch_length
         ids, passes = self.order(epoch)
         return ids[positions], (passes[positions] if len(passes) else np.zeros(len(positions), np.int64))
 
     def batch_valid(self, step: int, rank: int) -> np.ndarray:
         """Which slots of batch (step, rank) hold a sample rather than the last step's padding."""
+        return self._positions(step, rank) < self.epoch_length
+
+    def _positions(self, step: int, rank: int) -> np.ndarray:
+        """Where batch (step, rank)'s slots lie in the epoch's order; past its end: the padding."""
         start = step * self.global_batch + rank * self.batch_size
-        return np.arange(start, start + self.batch_size) < self.epoch_length
+        return np.arange(start, start + self.batch_size)
 
     def sample_ids(self, epoch: int, step: int, rank: int) -> np.ndarray:
         return self.batch_samples(epoch, step, rank)[0]

@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from .errors import DataError
-from .sources import NO_LABEL, TAR_MEMBER, SampleIndex
+from .sources import NO_LABEL, TAR_MEMBER, SampleIndex, open_data_file
 
 log = logging.getLogger(__name__)
 
@@ -104,10 +104,7 @@ def _index_tar(shard: str, label_key: str | None, where: str) -> np.ndarray:
     rows: list[list[int]] = []
     key, end = None, 0
     try:
-        fd = os.open(shard, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO swapped in since the stat
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise OSError(f"{shard} is no longer a regular file")
+        fd, _ = open_data_file(shard)  # a FIFO swapped in since the stat: refused, not a hung start
         with open(fd, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
             while True:
                 try:
@@ -136,7 +133,7 @@ def _index_tar(shard: str, label_key: str | None, where: str) -> np.ndarray:
                     row[0], row[1], row[3] = member.offset_data, member.size, IMAGE_KEYS.index(ext)
                 elif (ext == "cls" and label_key is None) or (ext == "json" and label_key is not None):
                     row[2] = _label(f, member, label_key)
-    except (tarfile.TarError, OSError) as exc:
+    except (tarfile.TarError, OSError, ValueError) as exc:
         raise DataError(f"{where}: shard {shard} is not a readable tar file ({exc}); check urls") from None
     return np.asarray(rows, dtype=np.int64).reshape(-1, 4)[:, :3].copy()
 
@@ -232,10 +229,7 @@ class TarMembers:
         if fd is not None:
             self._fds.move_to_end(shard)
             return fd
-        fd = os.open(shard, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO planted here: no block
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            os.close(fd)
-            raise ValueError("the shard is no longer a regular file")
+        fd, _ = open_data_file(shard)
         self._fds[shard] = fd
         if len(self._fds) > _OPEN_SHARDS:
             os.close(self._fds.popitem(last=False)[1])

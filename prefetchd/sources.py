@@ -125,6 +125,18 @@ class SampleIndex:
         return cls(*(np.load(folder / name, mmap_mode="r", allow_pickle=False) for name in names))
 
 
+def open_data_file(path: str) -> tuple[int, os.stat_result]:
+    """``path`` opened for reading, and its stat. What the index names may since have been
+    replaced by a FIFO or a device, which a plain open would block on or read without end: it
+    is opened without blocking and refused (ValueError, the fd closed) unless a regular file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ValueError(f"{path} is no longer a regular file")
+    return fd, st
+
+
 def scan_image_folder(root: str, where: str) -> SampleIndex:
     """torchvision's ``ImageFolder(root).samples``, path for path and label for label.
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 import io
 import math
 import os
-import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -47,6 +46,7 @@ from PIL import Image, ImageEnhance
 from prefetchd import fastdecode, roidecode, tjlib
 from prefetchd.errors import ConfigError
 from prefetchd.settings import DECODERS
+from prefetchd.sources import open_data_file
 
 Box = tuple[float, float, float, float]  # (left, top, right, bottom) in source pixels
 
@@ -429,14 +429,9 @@ MAX_FILE_BYTES = 1 << 30  # no image prefetchd decodes is bigger: a larger file 
 
 
 def read_image_file(path: str) -> bytes:
-    """The bytes of the image file ``path``. What was indexed as a file may since have been
-    replaced by a FIFO or a device, which a plain open would block on or read without end:
-    opened without blocking, it is refused unless it is a regular file of a sane size."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    """The bytes of the image file ``path``: a regular file (sources.open_data_file) of a sane size."""
+    fd, st = open_data_file(path)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise ValueError(f"{path} is no longer a regular file")
         if st.st_size > MAX_FILE_BYTES:
             raise ValueError(f"{path} has {st.st_size} bytes, more than any image ({MAX_FILE_BYTES})")
         with open(fd, "rb", closefd=False) as f:
