@@ -61,7 +61,9 @@ class Scheduler:
         state = self.ranks[rank]
         state.parked = False  # a report means a trainer reads this rank again
         if index > state.position:
-            state.consumed += sum(1 for i in state.ready if state.position <= i < index)
+            # In flight too: under load a trainer reads a published batch before the master has
+            # the worker's result, and that batch was consumed all the same.
+            state.consumed += sum(1 for i in state.ready | state.in_flight if state.position <= i < index)
         state.position = index
         doomed = sorted(i for i in state.ready if not self._in_window(rank, i))
         state.ready.difference_update(doomed)
