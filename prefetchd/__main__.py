@@ -1,3 +1,17 @@
-from .cli import main
+"""`prefetchd` and `python -m prefetchd`. The CLI is imported here, not by the console script,
+so that Ctrl-C while it loads (a few hundred ms) ends it as Ctrl-C ends a command, with exit
+code 130 and no traceback."""
 
-main()
+import sys
+
+
+def main() -> None:
+    try:
+        from .cli import main as run_command
+    except KeyboardInterrupt:
+        sys.exit(130)
+    run_command()
+
+
+if __name__ == "__main__":
+    main()

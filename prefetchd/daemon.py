@@ -50,8 +50,13 @@ def serve(
     --foreground` under systemd) hears READY=1 once the manifest is written and the socket
     bound, the master loop's watchdog beats, and STOPPING=1 (sdnotify.py).
     """
-    manager = _begin()  # main() did already (and a detached daemon has no manager); `start --foreground` comes here
-    from .startup import start_master  # the master's machinery: imported while the server boots
+    for sig in _STOP_SIGNALS:  # until the master takes them (before it announces the job)
+        signal.signal(sig, _interrupt_start)
+    try:
+        manager = _begin()  # main() did already (a detached daemon has no manager); `start --foreground` comes here
+        from .startup import start_master  # the master's machinery: imported while the server boots
+    except KeyboardInterrupt as stop:
+        return _refuse_start(notify, paths, _stopped_starting(stop))
 
     def announce() -> bool:  # the start's last step: the job serves only once the command has heard it
         if detach_output:  # from now on stray output (a crash) lands in the job's log
@@ -63,6 +68,8 @@ def serve(
 
     try:
         master = start_master(config, paths, keep=keep, announce=announce)
+    except KeyboardInterrupt as stop:  # start_master undid the start
+        return _refuse_start(notify, paths, _stopped_starting(stop))
     except Exception as exc:  # a bug or the unforeseen too: still one clear message, never silence
         return _refuse_start(notify, paths, start_failure(exc, paths.log))
     manager.ready(f"serving job {paths.name} at {paths.dir}")
@@ -73,6 +80,22 @@ def serve(
     if code and on_stop is not None:
         on_stop(master.stop_reason)
     return code
+
+
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _interrupt_start(signum, frame) -> None:
+    """A stop signal while the job starts (a pod deleted, `systemctl stop`, Ctrl-C): the start is
+    undone (start_master's cleanup, uninterrupted: later signals are ignored) and refused."""
+    for sig in _STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _stopped_starting(stop: KeyboardInterrupt) -> JobError:
+    by = f" by {stop}" if str(stop) else ""
+    return JobError(f"stopped{by} during start-up: the job was not started, nothing was left behind")
 
 
 def _begin() -> sdnotify.Notifier:
@@ -107,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prefetchd.daemon", description="internal: run one job's master")
     parser.add_argument("--ready-fd", type=int, required=True)
     # Until it has its job, SIGTERM (DaemonLaunch.cancel) ends it through the exit hooks, which
-    # remove the worker server's socket folder; serve() puts the default back.
+    # remove the worker server's socket folder; serve() then makes it a stop of the start.
     signal.signal(signal.SIGTERM, _exit_unused)
     args = parser.parse_args(argv)  # a bad command line: argparse's words on the early stderr
     ready = os.fdopen(args.ready_fd, "w")
@@ -154,7 +177,6 @@ def main(argv: list[str] | None = None) -> int:
         return unreadable.exit_code
     finally:
         sys.stdin.close()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     return serve(config, JobPaths(Path(job_dir)), keep=keep, notify=notify, detach_output=True)
 
 

@@ -150,7 +150,12 @@ def _start_message(line: bytes) -> dict | None:
 
 
 def _silent_exit(code: int, early_stderr, paths: JobPaths) -> str:
-    how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+    how = f"exit code {code}"
+    with contextlib.suppress(ValueError):
+        if code < 0:
+            how = f"killed by {signal.Signals(-code).name}"
+        elif code in (128 + signal.SIGTERM, 128 + signal.SIGINT):  # ended through its exit hooks (main())
+            how = f"{how}: stopped by {signal.Signals(code - 128).name}"
     early_stderr.seek(0, os.SEEK_END)
     early_stderr.seek(max(0, early_stderr.tell() - 4096))
     lines = early_stderr.read().decode("utf-8", "replace").strip().splitlines()

@@ -66,9 +66,13 @@ class Master:
 
     # -- the loop ------------------------------------------------------------------------
 
-    def run(self, notifier: sdnotify.Notifier = sdnotify.SILENT) -> int:
+    def take_stop_signals(self) -> None:
+        """SIGTERM and SIGINT become requests the loop acts on (at once, if they came before run());
+        taken before the job is announced: a stop right after READY=1 is a clean stop, not a kill."""
         for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, frame: self._signals.append(signum))  # the loop acts on it
+            signal.signal(sig, lambda signum, frame: self._signals.append(signum))
+
+    def run(self, notifier: sdnotify.Notifier = sdnotify.SILENT) -> int:
         try:
             while self.stop_reason is None:
                 notifier.beat()  # from this thread: a loop that hangs stops the beats (sdnotify.py)
@@ -113,12 +117,8 @@ class Master:
         self.metrics.answer(self.status)  # /metrics scrapes waiting: their snapshot is taken on this thread
 
     def _wait_for_descriptors(self, exc: OSError) -> None:
-        """Out of file descriptors (peers holding connections open, say): back off and go on.
-
-        Every step of the loop is safe to repeat, so the turn that failed is simply tried
-        again; unauthenticated connections are closed by ZeroMQ's handshake timeout
-        (control.HANDSHAKE_TIMEOUT_MS), which gives the descriptors back.
-        """
+        """Out of file descriptors (peers holding connections open, say): back off, then the turn is
+        tried again (each step is safe to repeat); control.HANDSHAKE_TIMEOUT_MS gives them back."""
         self._descriptor_warnings += 1
         if self._descriptor_warnings <= _DESCRIPTOR_WARNINGS_LOGGED or self._descriptor_warnings % 100 == 0:
             n, pause = self._descriptor_warnings, _OUT_OF_DESCRIPTORS_S

@@ -72,6 +72,7 @@ def start_master(
         watcher = ProgressWatcher(str(paths.progress_dir))
         watcher.start()
         master = Master(job, jobdir, pool, buffer, PeerIntake(job, server, watcher), context, keep, started_at)
+        master.take_stop_signals()  # before the manifest: the job is announced as soon as it exists
         if metrics is not None:
             master.metrics = metrics  # its scrapes wait for the loop, which answers them from now on
             metrics.serve()

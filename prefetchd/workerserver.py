@@ -19,6 +19,7 @@ import contextlib
 import ctypes
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.util
 import os
 import signal
 import sys
@@ -37,6 +38,13 @@ def start() -> None:
     """Boot the server now (in the background; a no-op when it runs). A worker started before
     it is ready waits for it; one started after it died starts it again."""
     fit_socket_folder()
+    # The server's socket folder: a stop signal between its mkdtemp and the registration of its
+    # removal (an exit hook) would leave it behind, so signals wait (pending) until both are done.
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
+    try:
+        multiprocessing.util.get_temp_dir()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
     CONTEXT.set_forkserver_preload(PRELOAD)
     multiprocessing.forkserver.ensure_running()
 

@@ -322,3 +322,27 @@ def test_a_notify_socket_that_is_not_there_does_not_hurt(tmp_path, jpeg_folder, 
         wait_pids_gone(daemon.family)
     finally:
         daemon.close()
+
+
+# -- a stop the moment the job serves (the sweep over the whole start: test_stop_during_start.py) --
+
+
+def test_sigterm_as_soon_as_ready_arrives_is_a_clean_stop(tmp_path, jpeg_folder, job_root, manager):
+    # systemd may stop the unit the moment it hears READY=1: the master, not the default
+    # action, must handle it (exit 0, STOPPING=1, its workers ended, nothing left).
+    paths = JobPaths(job_root / "job")
+    daemon = ForegroundDaemon.of_config(write_config(tmp_path, jpeg_folder, workers=2), manager.env(), tmp_path)
+    try:
+        def stop_at_once() -> list[int]:
+            family = daemon_family(paths)
+            os.kill(daemon.proc.pid, signal.SIGTERM)
+            return family
+
+        daemon.family = manager.wait_for("READY=1", 60, on_arrival=stop_at_once)[2]
+        assert len(daemon.family) >= 3, daemon.family  # the master, its worker server, workers
+        assert daemon.proc.wait(30) == 0, daemon.stderr()
+        wait_pids_gone(daemon.family)
+        assert manager.wait_for("STOPPING=1", 5)[1] == "STOPPING=1\nSTATUS=stopping: signal"
+        assert not paths.dir.exists()
+    finally:
+        daemon.close()
