@@ -21,6 +21,7 @@ from prefetchd_client.errors import DaemonDied
 
 from .conftest import cli, daemon_family, start_job, wait_pids_gone, wait_until, write_config
 from .helpers import job_status
+from .test_container_sources import KINDS, parquet_files, shards, source_of  # noqa: F401 - fixtures
 from .test_resume import digest, read
 
 ray = pytest.importorskip("ray")
@@ -122,6 +123,23 @@ def test_ray_batches_equal_local_ones(cluster, job_root, jpeg_folder, tmp_path):
     assert streams("job", 2) == reference, "batches made on Ray differ from local ones"
     buffer = job_status(paths)["buffer"]
     assert buffer["peak_bytes"] <= buffer["bound_bytes"]
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("kind", KINDS)
+def test_samples_in_containers_made_on_ray_equal_files_made_locally(
+    cluster, job_root, jpeg_folder, tmp_path, kind, request
+):
+    # The index (shard offsets, Parquet row groups) travels to the Ray node with the job; the
+    # node reads the shards or files itself (one machine here: the same paths).
+    start_job(write_config(tmp_path, jpeg_folder, name="files", world_size=2, seed=5), "--workers", "1")
+    reference = streams("files", 2)
+    assert cli("stop", "files").returncode == 0
+    config = write_config(tmp_path, jpeg_folder, name="boxed", world_size=2, seed=5, source=source_of(kind, request))
+    paths = start_job(config, *ray_flags(cluster))
+    assert job_status(paths)["executor"]["local_workers"] == 0  # every batch below is made on the "prep" node
+    assert streams("boxed", 2) == reference, f"{kind} batches made on Ray differ from local ones of the files"
+    assert job_status(paths)["totals"]["bad_samples"] == 0
 
 
 @pytest.mark.long
