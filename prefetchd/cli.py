@@ -423,6 +423,8 @@ def main() -> None:
         code = 0
     except SystemExit as exc:
         code = exc.code
+    except KeyboardInterrupt:  # Ctrl-C before typer's own handling begins (while it builds the command)
+        code = 130
     finally:
         for unused in _early_daemon:  # a bad flag or config: `start` never got to hand it the job
             unused.cancel()

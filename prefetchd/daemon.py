@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import select
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from prefetchd_client.layout import JobPaths
 
-from . import sdnotify, workerserver
+from . import sdnotify, stopsignals, workerserver
 from .errors import DaemonStop, ExitCode, JobError, UserError, describe, start_failure, to_json
 
 if TYPE_CHECKING:
@@ -30,6 +29,7 @@ if TYPE_CHECKING:
 # parsed its flags and read its config (well under a second); a command stopped (Ctrl-Z) or hung
 # for longer gets the daemon's refusal when it goes on.
 ORDER_TIMEOUT_S = 120.0
+_STOP_CHECK_S = 0.05  # while it waits for the job: how soon a stop signal is acted on
 
 
 def serve(
@@ -50,13 +50,9 @@ def serve(
     --foreground` under systemd) hears READY=1 once the manifest is written and the socket
     bound, the master loop's watchdog beats, and STOPPING=1 (sdnotify.py).
     """
-    for sig in _STOP_SIGNALS:  # until the master takes them (before it announces the job)
-        signal.signal(sig, _interrupt_start)
-    try:
-        manager = _begin()  # main() did already (a detached daemon has no manager); `start --foreground` comes here
-        from .startup import start_master  # the master's machinery: imported while the server boots
-    except KeyboardInterrupt as stop:
-        return _refuse_start(notify, paths, _stopped_starting(stop))
+    stopsignals.take()  # first: a stop at any moment of the start undoes it, then the master's loop acts on it
+    manager = _begin()  # main() did already (and a detached daemon has no manager); `start --foreground` comes here
+    from .startup import start_master  # the master's machinery: imported while the server boots
 
     def announce() -> bool:  # the start's last step: the job serves only once the command has heard it
         if detach_output:  # from now on stray output (a crash) lands in the job's log
@@ -68,8 +64,6 @@ def serve(
 
     try:
         master = start_master(config, paths, keep=keep, announce=announce)
-    except KeyboardInterrupt as stop:  # start_master undid the start
-        return _refuse_start(notify, paths, _stopped_starting(stop))
     except Exception as exc:  # a bug or the unforeseen too: still one clear message, never silence
         return _refuse_start(notify, paths, start_failure(exc, paths.log))
     manager.ready(f"serving job {paths.name} at {paths.dir}")
@@ -80,22 +74,6 @@ def serve(
     if code and on_stop is not None:
         on_stop(master.stop_reason)
     return code
-
-
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-
-def _interrupt_start(signum, frame) -> None:
-    """A stop signal while the job starts (a pod deleted, `systemctl stop`, Ctrl-C): the start is
-    undone (start_master's cleanup, uninterrupted: later signals are ignored) and refused."""
-    for sig in _STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
-def _stopped_starting(stop: KeyboardInterrupt) -> JobError:
-    by = f" by {stop}" if str(stop) else ""
-    return JobError(f"stopped{by} during start-up: the job was not started, nothing was left behind")
 
 
 def _begin() -> sdnotify.Notifier:
@@ -129,9 +107,9 @@ def _without_a_removed_log(message: str, log: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="prefetchd.daemon", description="internal: run one job's master")
     parser.add_argument("--ready-fd", type=int, required=True)
-    # Until it has its job, SIGTERM (DaemonLaunch.cancel) ends it through the exit hooks, which
-    # remove the worker server's socket folder; serve() then makes it a stop of the start.
-    signal.signal(signal.SIGTERM, _exit_unused)
+    # Until it has its job, a stop (DaemonLaunch.cancel's SIGTERM) ends it through the exit hooks,
+    # which remove the worker server's socket folder; then it is a stop of the start (serve()).
+    stopsignals.take()
     args = parser.parse_args(argv)  # a bad command line: argparse's words on the early stderr
     ready = os.fdopen(args.ready_fd, "w")
     _let_go_of_early_stderr()
@@ -163,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
         job_dir, keep = order["job_dir"], order["keep"]
         if not isinstance(job_dir, str) or type(keep) is not bool:
             raise TypeError(f"job_dir {job_dir!r}, keep {keep!r}")
+    except JobError as exc:  # a stop signal: said to a command that may be waiting
+        notify({"ok": False, "error": to_json(exc)})
+        return exc.exit_code
     except TimeoutError as exc:  # the command stopped or hung before it sent the job: say so, end
         late = JobError(f"{exc}; the daemon gave up, nothing was started: run `prefetchd start` again")
         notify({"ok": False, "error": to_json(late)})
@@ -180,20 +161,20 @@ def main(argv: list[str] | None = None) -> int:
     return serve(config, JobPaths(Path(job_dir)), keep=keep, notify=notify, detach_output=True)
 
 
-def _exit_unused(signum, frame) -> None:
-    raise SystemExit(128 + signum)
-
-
 def _read_order(timeout_s: float | None = None) -> bytes:
     """All of stdin, the job order `prefetchd start` sends once its flags and config are read;
     TimeoutError when it has not come within ``timeout_s`` (a command stopped, or hung, before
-    it sent it: the launched daemon must not wait for it for ever)."""
+    it sent it: the launched daemon must not wait for it for ever); JobError on a stop signal
+    (DaemonLaunch.cancel's, for one: the command will not send it)."""
     timeout_s = ORDER_TIMEOUT_S if timeout_s is None else timeout_s
     fd, data, deadline = sys.stdin.fileno(), b"", time.monotonic() + timeout_s
     while True:
+        stopsignals.check_starting()
         left = deadline - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        if left <= 0:
             raise TimeoutError(f"`prefetchd start` sent no job within {timeout_s:.0f} s of launching the daemon")
+        if not select.select([fd], [], [], min(left, _STOP_CHECK_S))[0]:
+            continue
         chunk = os.read(fd, 1 << 16)
         if not chunk:
             return data

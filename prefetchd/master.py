@@ -2,17 +2,15 @@
 
 It never touches pixels: it hands (epoch, step, rank) tasks to workers (pool), applies the
 positions peers report (intake) to the buffer, asks the policies what a failure means, and
-stops. One thread runs the loop; signal handlers and the progress watcher only enqueue, and
-the loop dispatches. ``start_master`` builds every part before the Master exists.
+stops. One thread runs the loop; signal handlers (stopsignals) and the progress watcher only
+record, and the loop dispatches. ``start_master`` builds every part before the Master exists.
 """
 
 from __future__ import annotations
 
-import collections
 import errno
 import logging
 import os
-import signal
 import stat
 import time
 
@@ -20,7 +18,7 @@ import zmq
 
 from prefetchd_client.layout import MAX_EPOCH
 
-from . import messages, scrapes, sdnotify
+from . import messages, scrapes, sdnotify, stopsignals
 from .buffer import Buffer
 from .errors import DaemonStop, ExitCode
 from .intake import PeerIntake
@@ -59,25 +57,18 @@ class Master:
         self.produced_per_source = [0] * len(job.source_names)
         self.produce_rate, self.consume_rate = Rates(), Rates()
         self._context = context
-        self._signals: collections.deque[int] = collections.deque()
         self._poller: zmq.Poller | None = None
         self._descriptor_warnings = 0
         self.metrics = scrapes.NOT_SERVED  # with --metrics, a metrics_http.MetricsServer (startup sets it)
 
     # -- the loop ------------------------------------------------------------------------
 
-    def take_stop_signals(self) -> None:
-        """SIGTERM and SIGINT become requests the loop acts on (at once, if they came before run());
-        taken before the job is announced: a stop right after READY=1 is a clean stop, not a kill."""
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda signum, frame: self._signals.append(signum))
-
     def run(self, notifier: sdnotify.Notifier = sdnotify.SILENT) -> int:
         try:
             while self.stop_reason is None:
                 notifier.beat()  # from this thread: a loop that hangs stops the beats (sdnotify.py)
-                if self._signals:
-                    log.info("signal %d: stopping", self._signals.popleft())
+                if (sig := stopsignals.received()) is not None:  # recorded since the start began
+                    log.info("%s: stopping", sig.name)
                     self.stop_reason = DaemonStop("signal", ExitCode.OK)
                     break
                 try:

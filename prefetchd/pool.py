@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from prefetchd_client.batchfile import FieldSpec
 
-from . import messages, workerserver
+from . import messages, stopsignals, workerserver
 from .errors import DaemonStop, ExitCode, JobError
 from .job import Job
 from .raybridge import bridge_main
@@ -153,6 +153,7 @@ class WorkerPool:
         deadline = time.monotonic() + WORKER_BOOT_TIMEOUT_S
         kinds = {s.kind for s in self.slots}
         while time.monotonic() < deadline:
+            stopsignals.check_starting()
             for slot in self.slots:
                 self.receive(slot)  # no task is out yet: nothing but its boot to hear
                 if {s.kind for s in self.slots if s.ready} == kinds:

@@ -12,7 +12,7 @@ import zmq
 
 from prefetchd_client.layout import JobPaths
 
-from . import control
+from . import control, stopsignals
 from .buffer import Buffer
 from .config import Config
 from .errors import JobError, start_failure
@@ -40,6 +40,7 @@ def start_master(
     ``announce()``, the last step, tells `prefetchd start` the job serves; False (the command
     is gone: killed, interrupted) fails the start too: the user saw no job start, so none serves."""
     started_at = time.time()  # status's uptime and the manifest's started_at count the start-up too
+    stopsignals.check_starting()  # here and between the steps below: a stop that came undoes the start
     jobdir = JobDir(paths)
     jobdir.note_existing()
     jobdir.acquire()  # raises without touching anything if another daemon runs
@@ -54,14 +55,16 @@ def start_master(
             from .metrics_http import bind_metrics  # http.server and prometheus_client: only with --metrics
 
             metrics = bind_metrics(config.metrics)
+        stopsignals.check_starting()
         job = build_job(config, paths)
+        stopsignals.check_starting()
         # The built-in pipeline's fields are known now: refuse a bad buffer before booting anything.
         known = None
         if config.pipeline is None:
             known = fit_layout(job, builtin_fields(config.batch_size, list(config.transforms), job.plan.evaluation))
         pool = WorkerPool(job)
         pool.spawn_all()
-        fields = pool.await_first()
+        fields = pool.await_first()  # checks for a stop while it waits
         layout, capacity = known or fit_layout(job, fields)
         server = control.bind_server(context, paths, config)  # ipc, or TCP by --endpoint
         buffer = Buffer(job, layout, capacity)
@@ -71,8 +74,8 @@ def start_master(
         buffer.adopt_leftovers()
         watcher = ProgressWatcher(str(paths.progress_dir))
         watcher.start()
+        stopsignals.check_starting()  # the last check: from here on the master's loop acts on a stop
         master = Master(job, jobdir, pool, buffer, PeerIntake(job, server, watcher), context, keep, started_at)
-        master.take_stop_signals()  # before the manifest: the job is announced as soon as it exists
         if metrics is not None:
             master.metrics = metrics  # its scrapes wait for the loop, which answers them from now on
             metrics.serve()

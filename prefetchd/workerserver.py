@@ -19,7 +19,6 @@ import contextlib
 import ctypes
 import multiprocessing
 import multiprocessing.forkserver
-import multiprocessing.util
 import os
 import signal
 import sys
@@ -38,15 +37,18 @@ def start() -> None:
     """Boot the server now (in the background; a no-op when it runs). A worker started before
     it is ready waits for it; one started after it died starts it again."""
     fit_socket_folder()
-    # The server's socket folder: a stop signal between its mkdtemp and the registration of its
-    # removal (an exit hook) would leave it behind, so signals wait (pending) until both are done.
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})
-    try:
-        multiprocessing.util.get_temp_dir()
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
     CONTEXT.set_forkserver_preload(PRELOAD)
-    multiprocessing.forkserver.ensure_running()
+    # Spawned ignoring SIGINT (kept through exec; its workers ignore it too). Ctrl-C in a terminal
+    # reaches the whole process group of `start --foreground`: the daemon alone decides what it
+    # means (stopsignals), and a server still starting its interpreter would print a
+    # KeyboardInterrupt traceback there. Blocked meanwhile: the daemon's own Ctrl-C waits, not lost.
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if handler is None else handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 # multiprocessing binds a fork server's socket at $TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX: 32

@@ -1,0 +1,44 @@
+"""Stop signals (SIGTERM, SIGINT) taken as requests: the handler only records one.
+
+The start checks for one between its steps (startup.start_master, the wait for workers to
+boot): a stop there undoes the start, which is refused (exit 4). Once the job is announced, the
+master's loop acts on it: a clean stop (exit 0). The handlers are installed first thing in the
+daemon process, so no moment of the start is left to the default action (a kill that leaves
+the job folder behind, or, as PID 1 in a container, a signal ignored). A handler never raises:
+an exception raised inside an import is swallowed by the import machinery, and one raised
+inside the undoing of a failed start cuts it short.
+"""
+
+from __future__ import annotations
+
+import collections
+import signal
+
+from .errors import JobError
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+_received: collections.deque[int] = collections.deque()
+
+
+def take() -> None:
+    """From now on (in this process, from its main thread) a stop signal is recorded, not acted on."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _record)
+
+
+def _record(signum: int, frame) -> None:
+    _received.append(signum)
+
+
+def received() -> signal.Signals | None:
+    """The first stop signal received, or None."""
+    return signal.Signals(_received[0]) if _received else None
+
+
+def check_starting() -> None:
+    """Between the steps of a start: a stop received so far ends the start (JobError: its
+    undoing removes what it made)."""
+    sig = received()
+    if sig is not None:
+        raise JobError(f"stopped by {sig.name} during start-up: the job was not started, nothing was left behind")
