@@ -26,12 +26,13 @@ from prefetchd_client.folders import OpenJob, open_job
 from prefetchd_client.layout import JobPaths
 from prefetchd_client.locks import daemon_alive, lock_holder
 
-from . import control
+from . import control, stopsignals
 from .config import Config
 from .errors import JobError, error_from_json
 
 _START_TIMEOUT_S = 600.0  # indexing a million files on a network filesystem takes a while
 _STOP_TIMEOUT_S = 15.0
+_STOP_CHECK_S = 0.05  # while it waits for the daemon: how soon a stop signal is acted on
 _CANCEL_WAIT_S = 5.0  # an unused daemon only has to leave its imports; then it is killed
 _EXIT_WAIT_S = 30.0  # a daemon that sent its failure only has to exit; then it is killed
 _MAX_MESSAGE_BYTES = 1 << 20  # the readiness line is ~100 bytes; a failure message a few KiB
@@ -114,8 +115,23 @@ def start_detached(
 ) -> dict:
     """Start the daemon in its own session (``launched`` early, or now); return its readiness
     message or raise UserError: the daemon's own error, rebuilt from its report, when it failed
-    to start (never silence)."""
+    to start (never silence). A stop signal meanwhile (Ctrl-C; SIGTERM too where `prefetchd
+    start` took them, stopsignals) cancels the start, whatever the daemon has got to: the user
+    sees no job start, so none may serve (one it announced a moment before stops at once)."""
     daemon = launched or DaemonLaunch()
+    try:
+        stopsignals.check_starting()  # one that came while the command read its flags and config
+        msg = _hand_over(daemon, config, paths, keep, timeout_s)
+        stopsignals.check_starting()  # one that came as the daemon announced the job: it stops too
+        return msg
+    except (KeyboardInterrupt, stopsignals.StopRequested):
+        daemon.cancel()
+        name = stopsignals.received() or signal.SIGINT
+        raise JobError(f"stopped by {name.name} while the daemon started: the start was undone") from None
+
+
+def _hand_over(daemon: DaemonLaunch, config: Config, paths: JobPaths, keep: bool, timeout_s: float) -> dict:
+    """Send the daemon its job, then its readiness message, or the UserError it failed with."""
     proc = daemon.proc
     try:
         daemon.send(config, paths, keep)
@@ -180,7 +196,8 @@ def _read_line(fd: int, timeout_s: float) -> bytes | None:
         left = deadline - time.monotonic()
         if left <= 0:
             return None
-        ready, _, _ = select.select([fd], [], [], left)
+        stopsignals.check_starting()
+        ready, _, _ = select.select([fd], [], [], min(left, _STOP_CHECK_S))
         if ready:
             chunk = os.read(fd, 65536)
             if not chunk:

@@ -1,4 +1,5 @@
-"""Stop signals (SIGTERM, SIGINT) taken as requests: the handler only records one.
+"""Stop signals (SIGTERM, SIGINT) taken as requests: the handler only records one. In the
+daemon process, and in `prefetchd start`, which cancels the start it launched (launch.py).
 
 The start checks for one between its steps (startup.start_master, the wait for workers to
 boot): a stop there undoes the start, which is refused (exit 4). Once the job is announced, the
@@ -36,9 +37,13 @@ def received() -> signal.Signals | None:
     return signal.Signals(_received[0]) if _received else None
 
 
+class StopRequested(JobError):
+    """A stop signal came while a job started (exit 4, as a job that could not start)."""
+
+
 def check_starting() -> None:
-    """Between the steps of a start: a stop received so far ends the start (JobError: its
+    """Between the steps of a start: a stop received so far ends the start (StopRequested: its
     undoing removes what it made)."""
     sig = received()
     if sig is not None:
-        raise JobError(f"stopped by {sig.name} during start-up: the job was not started, nothing was left behind")
+        raise StopRequested(f"stopped by {sig.name} during start-up: the job was not started, nothing was left behind")

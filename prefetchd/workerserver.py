@@ -38,17 +38,7 @@ def start() -> None:
     it is ready waits for it; one started after it died starts it again."""
     fit_socket_folder()
     CONTEXT.set_forkserver_preload(PRELOAD)
-    # Spawned ignoring SIGINT (kept through exec; its workers ignore it too). Ctrl-C in a terminal
-    # reaches the whole process group of `start --foreground`: the daemon alone decides what it
-    # means (stopsignals), and a server still starting its interpreter would print a
-    # KeyboardInterrupt traceback there. Blocked meanwhile: the daemon's own Ctrl-C waits, not lost.
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        multiprocessing.forkserver.ensure_running()
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_DFL if handler is None else handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    multiprocessing.forkserver.ensure_running()
 
 
 # multiprocessing binds a fork server's socket at $TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX: 32
@@ -98,6 +88,11 @@ def _die_with_the_daemon() -> None:
         frame = frame.f_back
     if frame is None:  # imported anywhere else: the daemon, a worker, a test
         return
+    # Ctrl-C in a terminal reaches the whole process group of `start --foreground`: the daemon
+    # alone decides what it means (stopsignals), and the server, preloading, would print a
+    # KeyboardInterrupt traceback there. (Not set by the daemon around the spawn: ignored there
+    # for a moment, a Ctrl-C taken by another of its threads would be lost.)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
