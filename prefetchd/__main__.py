@@ -1,11 +1,16 @@
 """`prefetchd` and `python -m prefetchd`. The CLI is imported here, not by the console script,
 so that Ctrl-C while it loads (a few hundred ms) ends it as Ctrl-C ends a command, with exit
-code 130 and no traceback."""
+code 130 and no traceback. `start` takes stop signals first thing: from then on a stop is the
+start's to act on (stopsignals), never an exception that an import might swallow."""
 
 import sys
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["start"]:
+        from . import stopsignals
+
+        stopsignals.take()
     try:
         from .cli import main as run_command
     except KeyboardInterrupt:

@@ -415,11 +415,9 @@ def _starts_a_daemon(args: list[str]) -> bool:
 
 def main() -> None:
     if _starts_a_daemon(sys.argv[1:]):
-        from . import stopsignals
         from .launch import DaemonLaunch
 
-        _early_daemon.append(DaemonLaunch())
-        stopsignals.take()  # SIGTERM or Ctrl-C from now on: the start is cancelled where it has got to
+        _early_daemon.append(DaemonLaunch())  # a stop signal cancels it (stopsignals, taken by __main__)
     try:
         app()
         code = 0

@@ -33,7 +33,7 @@ from .errors import JobError, error_from_json
 _START_TIMEOUT_S = 600.0  # indexing a million files on a network filesystem takes a while
 _STOP_TIMEOUT_S = 15.0
 _STOP_CHECK_S = 0.05  # while it waits for the daemon: how soon a stop signal is acted on
-_CANCEL_WAIT_S = 5.0  # an unused daemon only has to leave its imports; then it is killed
+_CANCEL_WAIT_S = 20.0  # to leave its imports, or undo a start (pool.halt, the job folder); then it is killed
 _EXIT_WAIT_S = 30.0  # a daemon that sent its failure only has to exit; then it is killed
 _MAX_MESSAGE_BYTES = 1 << 20  # the readiness line is ~100 bytes; a failure message a few KiB
 # `-c`, not `-m prefetchd.daemon`: multiprocessing's spawn re-imports the main module of a `-m`

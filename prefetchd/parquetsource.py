@@ -20,6 +20,7 @@ from collections import OrderedDict
 
 import numpy as np
 
+from . import stopsignals
 from .errors import ConfigError, DataError
 from .parquetpages import ColumnChunk, Unsupported
 from .sources import NO_LABEL, PARQUET_ROW, SampleIndex, open_data_file
@@ -114,6 +115,7 @@ def scan_parquet(src: dict, where: str) -> SampleIndex:
     image_column, label_column = src["image_column"], src["label_column"]
     files, counts, members, labels = [], [], [], []
     for path in parquet_files(src["path"], where):
+        stopsignals.check_starting()  # a stop during a long indexing need not wait for its end
         groups, file_labels = _scan_file(path, image_column, label_column, f"{where}: {_shown(path)}")
         if len(file_labels):
             files.append(path)

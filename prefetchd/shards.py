@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from . import stopsignals
 from .errors import DataError
 from .sources import NO_LABEL, TAR_MEMBER, SampleIndex, open_data_file
 
@@ -73,6 +74,7 @@ def scan_webdataset(src: dict, where: str) -> SampleIndex:
         if len(shards) == MAX_SHARDS:
             raise DataError(f"{where}: urls names more than {MAX_SHARDS:,} shards; is a brace range too wide?")
         shards.append(shard)
+        stopsignals.check_starting()  # indexing thousands of shards takes a while: a stop need not wait
         table = _shard_index(shard, label_key, where)
         counts.append(len(table))
         members.append(table[:, :2])
