@@ -10,7 +10,6 @@ import argparse
 import contextlib
 import json
 import os
-import select
 import sys
 import time
 from collections.abc import Callable
@@ -29,7 +28,6 @@ if TYPE_CHECKING:
 # parsed its flags and read its config (well under a second); a command stopped (Ctrl-Z) or hung
 # for longer gets the daemon's refusal when it goes on.
 ORDER_TIMEOUT_S = 120.0
-_STOP_CHECK_S = 0.05  # while it waits for the job: how soon a stop signal is acted on
 
 
 def serve(
@@ -169,11 +167,10 @@ def _read_order(timeout_s: float | None = None) -> bytes:
     timeout_s = ORDER_TIMEOUT_S if timeout_s is None else timeout_s
     fd, data, deadline = sys.stdin.fileno(), b"", time.monotonic() + timeout_s
     while True:
-        stopsignals.check_starting()
         left = deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError(f"`prefetchd start` sent no job within {timeout_s:.0f} s of launching the daemon")
-        if not select.select([fd], [], [], min(left, _STOP_CHECK_S))[0]:
+        if not stopsignals.readable_unless_stopped(fd, left):
             continue
         chunk = os.read(fd, 1 << 16)
         if not chunk:

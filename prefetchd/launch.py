@@ -14,7 +14,6 @@ import contextlib
 import errno
 import json
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -32,7 +31,6 @@ from .errors import JobError, error_from_json
 
 _START_TIMEOUT_S = 600.0  # indexing a million files on a network filesystem takes a while
 _STOP_TIMEOUT_S = 15.0
-_STOP_CHECK_S = 0.05  # while it waits for the daemon: how soon a stop signal is acted on
 _CANCEL_WAIT_S = 20.0  # to leave its imports, or undo a start (pool.halt, the job folder); then it is killed
 _EXIT_WAIT_S = 30.0  # a daemon that sent its failure only has to exit; then it is killed
 _MAX_MESSAGE_BYTES = 1 << 20  # the readiness line is ~100 bytes; a failure message a few KiB
@@ -166,12 +164,10 @@ def _start_message(line: bytes) -> dict | None:
 
 
 def _silent_exit(code: int, early_stderr, paths: JobPaths) -> str:
-    how = f"exit code {code}"
-    with contextlib.suppress(ValueError):
-        if code < 0:
+    how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+    if code < 0:
+        with contextlib.suppress(ValueError):  # a number no Signals member names keeps its number
             how = f"killed by {signal.Signals(-code).name}"
-        elif code in (128 + signal.SIGTERM, 128 + signal.SIGINT):  # ended through its exit hooks (main())
-            how = f"{how}: stopped by {signal.Signals(code - 128).name}"
     early_stderr.seek(0, os.SEEK_END)
     early_stderr.seek(max(0, early_stderr.tell() - 4096))
     lines = early_stderr.read().decode("utf-8", "replace").strip().splitlines()
@@ -196,9 +192,7 @@ def _read_line(fd: int, timeout_s: float) -> bytes | None:
         left = deadline - time.monotonic()
         if left <= 0:
             return None
-        stopsignals.check_starting()
-        ready, _, _ = select.select([fd], [], [], min(left, _STOP_CHECK_S))
-        if ready:
+        if stopsignals.readable_unless_stopped(fd, left):
             chunk = os.read(fd, 65536)
             if not chunk:
                 break

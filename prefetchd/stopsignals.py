@@ -13,6 +13,7 @@ inside the undoing of a failed start cuts it short.
 from __future__ import annotations
 
 import collections
+import select
 import signal
 
 from .errors import JobError
@@ -20,6 +21,7 @@ from .errors import JobError
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 _received: collections.deque[int] = collections.deque()
+_CHECK_EVERY_S = 0.05  # while a start waits on a pipe: how soon a stop is acted on
 
 
 def take() -> None:
@@ -47,3 +49,10 @@ def check_starting() -> None:
     sig = received()
     if sig is not None:
         raise StopRequested(f"stopped by {sig.name} during start-up: the job was not started, nothing was left behind")
+
+
+def readable_unless_stopped(fd: int, timeout_s: float) -> bool:
+    """Whether ``fd`` has data (or EOF) within ``timeout_s``, cut to a short wait: a start that
+    waits on a pipe calls it in a loop, and a stop received meanwhile ends it (StopRequested)."""
+    check_starting()
+    return bool(select.select([fd], [], [], min(timeout_s, _CHECK_EVERY_S))[0])

@@ -102,3 +102,16 @@ def workers_of(paths: JobPaths) -> list[psutil.Process]:
 def temp_leftovers() -> list[str]:
     """What the test's daemons and commands left in their $TMPDIR (job_root gives each test its own)."""
     return sorted(p.name for p in Path(os.environ["TMPDIR"]).iterdir())
+
+
+def session(sid: int) -> list[psutil.Process]:
+    """The live processes of session ``sid``: a launched daemon starts its own, and its resource
+    tracker, fork server and workers stay in it (zombies left out: nothing of them runs)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (OSError, psutil.Error):
+            pass
+    return found

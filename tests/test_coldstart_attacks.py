@@ -28,7 +28,7 @@ from prefetchd_client.locks import daemon_alive
 from prefetchd_client.manifest import read_manifest
 
 from .conftest import cli, start_job, wait_until, write_config
-from .helpers import job_status, read_epoch, temp_leftovers
+from .helpers import job_status, read_epoch, session, temp_leftovers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,19 +37,6 @@ def family(pid: int) -> list[psutil.Process]:
     """``pid`` and every process below it (the daemon, its resource tracker, fork server, workers)."""
     proc = psutil.Process(pid)
     return [proc, *proc.children(recursive=True)]
-
-
-def session(sid: int) -> list[psutil.Process]:
-    """The live processes of session ``sid``: a launched daemon starts its own, and its resource
-    tracker, fork server and workers stay in it (zombies left out: nothing of them runs)."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except (OSError, psutil.Error):
-            pass
-    return found
 
 
 def gone(procs: list[psutil.Process]) -> bool:

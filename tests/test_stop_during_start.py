@@ -23,7 +23,7 @@ import psutil
 import pytest
 
 from .conftest import wait_until, write_config
-from .helpers import temp_leftovers
+from .helpers import session, temp_leftovers
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -45,21 +45,9 @@ def _when_shown(step: str, job_dir: Path, proc: subprocess.Popen) -> None:
         time.sleep(0.001)
 
 
-def _session_ended(sid: int) -> bool:
-    """No live process in session ``sid`` (a command's or a launched daemon's, which its worker
-    server, resource tracker and workers stay in)."""
-    for p in psutil.process_iter():
-        try:
-            if os.getsid(p.pid) == sid and p.status() != psutil.STATUS_ZOMBIE:
-                return False
-        except (OSError, psutil.Error):
-            pass
-    return True
-
-
 def _check_nothing_left(sids: list[int], job_root: Path, when: str) -> None:
     for sid in sids:
-        wait_until(partial(_session_ended, sid), timeout_s=10, what=f"the end of a start stopped {when}")
+        wait_until(lambda sid=sid: not session(sid), timeout_s=10, what=f"the end of a start stopped {when}")
     assert list(job_root.iterdir()) == [], when
     assert temp_leftovers() == [], when
 
@@ -119,7 +107,7 @@ def test_a_stop_signal_at_each_step_of_a_detached_start(tmp_path, jpeg_folder, j
         elif step == "manifest":  # it may have heard the daemon was ready, or not
             assert command.returncode in (0, 4), stderr
             if command.returncode == 0:  # then its daemon serves, and must be stopped as any
-                wait_until(lambda: not (job_root / "job").exists() or _stop(job_root), what="the job stopped")
+                wait_until(lambda: not (job_root / "job").exists() or _stop(), what="the job stopped")
         else:  # the daemon's worker server boots while the command still reads its flags: before the handover
             assert command.returncode == 4, f"at its {step}: exit {command.returncode}\n{stderr}"
             assert re.search(r"stopped by SIGTERM (while the daemon started|before the daemon had its job)", stderr)
@@ -127,7 +115,7 @@ def test_a_stop_signal_at_each_step_of_a_detached_start(tmp_path, jpeg_folder, j
         _check_nothing_left([command.pid, sid], job_root, f"at its {step}")
 
 
-def _stop(job_root: Path) -> bool:
+def _stop() -> bool:
     stop = subprocess.run([sys.executable, "-m", "prefetchd", "stop", "job"], capture_output=True, timeout=60)
     return stop.returncode == 0
 
