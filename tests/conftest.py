@@ -21,6 +21,8 @@ from prefetchd_client.layout import JobPaths
 from prefetchd_client.locks import daemon_alive
 from prefetchd_client.manifest import read_manifest
 
+from .crossusers import ALICE, MALLORY, User, ensure_user, python_for, remove_path
+
 SHM = "/dev/shm"
 JOB_ROOT_PREFIX = "prefetchd-test-"  # each test's private job root under SHM
 
@@ -173,3 +175,55 @@ def wait_until(condition, timeout_s: float = 10.0, interval_s: float = 0.02, wha
             return value
         time.sleep(interval_s)
     raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
+
+
+# -- two real users of one node (tests/crossusers.py) -----------------------------------------
+
+
+@pytest.fixture(scope="session")
+def users():
+    """alice (the victim) and mallory (another user of the node), as real unprivileged users."""
+    if os.geteuid() != 0:
+        pytest.skip("the cross-user tests create two unprivileged users, which needs root")
+    if shutil.which("useradd") is None:
+        pytest.skip("useradd is missing: cannot create the two unprivileged users")
+    ids = {name: ensure_user(name) for name in (ALICE, MALLORY)}
+    with python_for(*ids[ALICE]) as (python, env):
+        yield {name: User(name, uid, gid, python, env) for name, (uid, gid) in ids.items()}
+
+
+@pytest.fixture(scope="session")
+def shared_data():
+    """A data folder and a config folder every user can read (pytest's tmp_path is root's, 0700)."""
+    folder = Path(tempfile.mkdtemp(prefix="pfd-shared-", dir="/tmp"))
+    folder.chmod(0o755)
+    data = make_image_folder(folder / "train", classes=2, per_class=6, size=(32, 48))
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    config = write_config(folder, data, buffer="256K")
+    config.chmod(0o644)
+    yield config
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def alice_root(users):
+    """alice's default root, absent before the test and removed after it, whoever made it."""
+    root = users[ALICE].default_root
+    remove_path(root)
+    yield root
+    remove_path(root)
+
+
+@pytest.fixture
+def processes():
+    """Processes a test starts: each ended (by its pid) and reaped at teardown."""
+    started: list[subprocess.Popen] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        for stream in (proc.stdin, proc.stdout):
+            if stream is not None:
+                stream.close()

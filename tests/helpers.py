@@ -43,9 +43,7 @@ def read_epoch(
     trainer would (numpy arrays). ``batch_size`` checks that every batch has that many samples;
     ``with_meta`` also reads each batch file's header meta while the batch is still in the buffer
     (the daemon keeps ``retain`` consumed batches). ``loader_options`` go to PrefetchLoader."""
-    loader = PrefetchLoader(
-        job, rank=rank, world_size=world_size, timeout=timeout, as_tensors=False, **loader_options
-    )
+    loader = PrefetchLoader(job, rank=rank, world_size=world_size, timeout=timeout, as_tensors=False, **loader_options)
     paths = JobPaths.of(job, loader_options.get("root"))
     batches = []
     try:

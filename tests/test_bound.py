@@ -104,6 +104,7 @@ def test_batches_a_client_still_maps_count_against_the_bound(tmp_path, jpeg_fold
             lambda: control.request(paths.endpoint, {"op": "status"})["buffer"]["pinned_batches"] == 0,
             what="status to show nothing pinned",
         )
+
         # The freed slots are refilled at once. A batch being written counts in full in the
         # ledger but holds only the pages written so far (pwrite, no fallocate): the two agree
         # once the window is full again.

@@ -42,8 +42,10 @@ def parquet_files(jpeg_folder, tmp_path_factory) -> Path:
     for part, chunk in enumerate((rows[:30], rows[30:])):
         table = pa.table(
             {
-                "image": pa.array([{"bytes": b, "path": None} for b, _ in chunk],
-                                  pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
+                "image": pa.array(
+                    [{"bytes": b, "path": None} for b, _ in chunk],
+                    pa.struct([("bytes", pa.binary()), ("path", pa.string())]),
+                ),
                 "label": pa.array([label for _, label in chunk], pa.int64()),
             }
         )
@@ -75,8 +77,9 @@ def test_the_same_images_in_containers_make_the_same_batches_as_files(tmp_path, 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_resume_is_exact_across_a_daemon_restart(tmp_path, jpeg_folder, job_root, kind, request):
-    config = write_config(tmp_path, jpeg_folder, name="grid", world_size=2, workers=2, seed=3,
-                          source=source_of(kind, request))
+    config = write_config(
+        tmp_path, jpeg_folder, name="grid", world_size=2, workers=2, seed=3, source=source_of(kind, request)
+    )
     start_job(config)
     per_epoch = SAMPLES // 8
     for stop_after in (per_epoch // 2, per_epoch + 1):
@@ -88,7 +91,8 @@ def test_worker_count_does_not_change_a_byte(tmp_path, jpeg_folder, job_root, ki
     streams = []
     for workers in (1, 2):
         name = f"w{workers}"
-        start_job(write_config(tmp_path, jpeg_folder, name=name, workers=workers, seed=9,
-                               source=source_of(kind, request)))
+        start_job(
+            write_config(tmp_path, jpeg_folder, name=name, workers=workers, seed=9, source=source_of(kind, request))
+        )
         streams.append(read(name, 0, 1, epochs=1)[0])
     assert streams[0] == streams[1]

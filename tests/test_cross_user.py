@@ -13,188 +13,22 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pwd
-import select
 import shutil
 import socket
 import subprocess
 import sys
 import tempfile
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from prefetchd.datagen import make_image_folder
 from prefetchd_client.layout import JobPaths
 
 from .conftest import SHM, cli, daemon_family, wait_pids_gone, wait_until, write_config
+from .crossusers import ALICE, MALLORY, no_traceback, read_line
 
 pytestmark = pytest.mark.timeout(120)
-
-ALICE, MALLORY = "pfd-alice", "pfd-mallory"
-_READY_TIMEOUT_S = 30.0
-
-
-@dataclass(frozen=True)
-class User:
-    """A local user whose side of a test runs in processes of its own."""
-
-    name: str
-    uid: int
-    gid: int
-    python: str  # an interpreter this user can run, with prefetchd importable
-    env: dict
-
-    @property
-    def default_root(self) -> Path:
-        return Path(f"{SHM}/prefetchd-{self.uid}")
-
-    def run(self, *args: str, env: dict | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-        return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout, **self._as_me(env))
-
-    def popen(self, *args: str, env: dict | None = None) -> subprocess.Popen:
-        return subprocess.Popen(
-            list(args), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, **self._as_me(env)
-        )
-
-    def prefetchd(self, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-        return self.run(self.python, "-m", "prefetchd", *args, env=env)
-
-    def _as_me(self, env: dict | None) -> dict:
-        return dict(user=self.uid, group=self.gid, extra_groups=[], cwd="/", env={**self.env, **(env or {})})
-
-
-def _user_env() -> dict:
-    """A clean environment: no PREFETCHD_ROOT (the default root is the point), and the test's
-    PYTHONPATH (a run against another checkout must run that checkout as every user)."""
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
-    if os.environ.get("PYTHONPATH"):
-        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
-    return env
-
-
-def _ensure_user(name: str) -> tuple[int, int]:
-    """The user's uid and gid; created (system user, no home) if it does not exist yet."""
-    try:
-        entry = pwd.getpwnam(name)
-    except KeyError:
-        result = subprocess.run(
-            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", name],
-            capture_output=True,
-            text=True,
-        )
-        if result.returncode:
-            pytest.skip(f"cannot create the test user {name}: {result.stderr.strip()}")
-        entry = pwd.getpwnam(name)
-    return entry.pw_uid, entry.pw_gid
-
-
-def _runs_prefetchd(uid: int, gid: int, python: str, env: dict) -> bool:
-    probe = "import sys, prefetchd, prefetchd_client; print(sys.version)"
-    as_user = dict(user=uid, group=gid, extra_groups=[], cwd="/", env=env)
-    try:
-        result = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60, **as_user)
-    except OSError:  # the interpreter cannot even be executed by that user
-        return False
-    return result.returncode == 0 and result.stdout.strip() == sys.version
-
-
-@contextlib.contextmanager
-def _python_for(uid: int, gid: int):
-    """An interpreter path and environment under which ``uid`` runs this very installation.
-
-    pyenv keeps it under /root (0700) here, which other users cannot enter: then a read-only
-    bind mount shows the same files elsewhere, and LD_LIBRARY_PATH its libpython (the
-    interpreter's RUNPATH names the folder under /root; without it a system libpython loads).
-    """
-    env = _user_env()
-    if _runs_prefetchd(uid, gid, sys.executable, env):
-        yield sys.executable, env
-        return
-    mount = Path(tempfile.mkdtemp(prefix="pfd-python-", dir="/tmp"))
-    mount.chmod(0o755)
-    bound = subprocess.run(["mount", "--bind", "-o", "ro", sys.prefix, str(mount)], capture_output=True, text=True)
-    try:
-        if bound.returncode:
-            pytest.skip(f"other users cannot run {sys.executable}, and it cannot be bind-mounted: {bound.stderr}")
-        python = str(mount / Path(sys.executable).relative_to(sys.prefix))
-        env = {**env, "LD_LIBRARY_PATH": str(mount / "lib")}
-        if not _runs_prefetchd(uid, gid, python, env):
-            pytest.skip(f"other users cannot run {sys.executable} with prefetchd importable")
-        yield python, env
-    finally:
-        if bound.returncode == 0:
-            subprocess.run(["umount", str(mount)], check=False)
-        mount.rmdir()
-
-
-@pytest.fixture(scope="session")
-def users():
-    """alice (the victim) and mallory (another user of the node), as real unprivileged users."""
-    if os.geteuid() != 0:
-        pytest.skip("the cross-user tests create two unprivileged users, which needs root")
-    if shutil.which("useradd") is None:
-        pytest.skip("useradd is missing: cannot create the two unprivileged users")
-    ids = {name: _ensure_user(name) for name in (ALICE, MALLORY)}
-    with _python_for(*ids[ALICE]) as (python, env):
-        yield {name: User(name, uid, gid, python, env) for name, (uid, gid) in ids.items()}
-
-
-@pytest.fixture(scope="session")
-def shared_data():
-    """A data folder and a config folder every user can read (pytest's tmp_path is root's, 0700)."""
-    folder = Path(tempfile.mkdtemp(prefix="pfd-shared-", dir="/tmp"))
-    folder.chmod(0o755)
-    data = make_image_folder(folder / "train", classes=2, per_class=6, size=(32, 48))
-    for path in [folder, *folder.rglob("*")]:
-        path.chmod(0o755 if path.is_dir() else 0o644)
-    config = write_config(folder, data, buffer="256K")
-    config.chmod(0o644)
-    yield config
-    shutil.rmtree(folder, ignore_errors=True)
-
-
-@pytest.fixture
-def alice_root(users):
-    """alice's default root, absent before the test and removed after it, whoever made it."""
-    root = users[ALICE].default_root
-    _remove(root)
-    yield root
-    _remove(root)
-
-
-@pytest.fixture
-def processes():
-    """Processes a test starts: each ended (by its pid) and reaped at teardown."""
-    started: list[subprocess.Popen] = []
-    yield started
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
-        for stream in (proc.stdin, proc.stdout):
-            if stream is not None:
-                stream.close()
-
-
-def _remove(path: Path) -> None:
-    if path.is_symlink() or path.is_file():
-        path.unlink()
-    elif path.exists():
-        shutil.rmtree(path)
-
-
-def _read_line(proc: subprocess.Popen, timeout_s: float = _READY_TIMEOUT_S) -> str:
-    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
-    assert ready, f"pid {proc.pid} wrote nothing within {timeout_s} s"
-    return proc.stdout.readline().strip()
-
-
-def _no_traceback(result: subprocess.CompletedProcess) -> bool:
-    return "Traceback" not in result.stdout + result.stderr
-
 
 # mallory's side: a job in alice's (future) default root, readable by alice, whose manifest
 # names mallory's socket and an unrelated process of alice's, with a batch (labels all 3,
@@ -270,30 +104,30 @@ def test_a_job_prepared_by_another_user_is_refused_by_every_entry_point(users, a
     processes.append(bystander)
     plant = mallory.popen(mallory.python, "-c", _PLANT_JOB, str(alice_root), str(bystander.pid))
     processes.append(plant)
-    assert _read_line(plant) == "ready"
+    assert read_line(plant) == "ready"
     planted = sorted(str(p) for p in alice_root.rglob("*"))
     whose = f"belongs to uid {mallory.uid}"
 
     # The loader refuses before it reads her manifest or batch, or connects to her socket.
     loaded = alice.run(alice.python, "-c", _READ_ONE_BATCH)
-    assert loaded.returncode == 0 and _no_traceback(loaded), loaded.stderr
+    assert loaded.returncode == 0 and no_traceback(loaded), loaded.stderr
     assert loaded.stdout.startswith("REFUSED UnsafeFolder") and whose in loaded.stdout, loaded.stdout
     assert "PREFETCHD_ROOT=DIR" in loaded.stdout and "administrator" in loaded.stdout
 
     # stop signals no one (not the process of alice's that the manifest names) and deletes nothing.
     stopped = alice.prefetchd("stop", "job", "--timeout", "1")
-    assert stopped.returncode == 4 and whose in stopped.stderr and _no_traceback(stopped), stopped.stderr
+    assert stopped.returncode == 4 and whose in stopped.stderr and no_traceback(stopped), stopped.stderr
     assert "Nothing was signalled or removed" in stopped.stderr
     assert bystander.poll() is None, "stop signalled the pid named by another user's manifest"
 
     # status and verify: the same clear refusal, exit 4, never a traceback.
     for args in (["status", "job"], ["status"], ["status", "--json"], ["verify", "job", "--epoch", "0", "--step", "0"]):
         result = alice.prefetchd(*args)
-        assert result.returncode == 4 and whose in result.stderr and _no_traceback(result), (args, result)
+        assert result.returncode == 4 and whose in result.stderr and no_traceback(result), (args, result)
 
     assert sorted(str(p) for p in alice_root.rglob("*")) == planted  # nothing was deleted
     plant.stdin.close()
-    assert _read_line(plant) == "received 0"  # nothing of alice's ever reached mallory's socket
+    assert read_line(plant) == "received 0"  # nothing of alice's ever reached mallory's socket
 
 
 def test_stop_through_a_symlinked_root_deletes_nothing(users, alice_root):
@@ -309,7 +143,7 @@ def test_stop_through_a_symlinked_root_deletes_nothing(users, alice_root):
         assert linked.returncode == 0, linked.stderr
 
         stopped = alice.prefetchd("stop", "job")
-        assert stopped.returncode == 4 and _no_traceback(stopped), stopped.stderr
+        assert stopped.returncode == 4 and no_traceback(stopped), stopped.stderr
         assert f"job root {alice_root} is a symlink (of uid {mallory.uid})" in stopped.stderr
         assert checkpoint.read_bytes() == b"weeks of training" and alice_root.is_symlink()
     finally:
@@ -322,7 +156,7 @@ def test_a_squatted_default_root_fails_start_with_advice_that_works(users, alice
     assert made.returncode == 0, made.stderr
 
     refused = alice.prefetchd("start", str(shared_data))
-    assert refused.returncode == 4 and _no_traceback(refused), refused.stderr
+    assert refused.returncode == 4 and no_traceback(refused), refused.stderr
     assert f"job root {alice_root} belongs to uid {mallory.uid}" in refused.stderr
     # Advice alice can follow: she cannot remove another user's folder from the sticky /dev/shm.
     assert "--root DIR" in refused.stderr and "PREFETCHD_ROOT=DIR" in refused.stderr
@@ -406,13 +240,13 @@ def test_status_and_stop_of_a_job_with_a_hostile_manifest_are_clear_and_signal_o
     hold = [sys.executable, "-c", _HOLD_LOCK, str(job / "daemon.lock")]
     holder = subprocess.Popen(hold, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     processes.append(holder)
-    assert _read_line(holder) == "locked"
+    assert read_line(holder) == "locked"
 
     status = cli("status", "job")
-    assert status.returncode == 0 and _no_traceback(status), status.stderr
+    assert status.returncode == 0 and no_traceback(status), status.stderr
     assert "not responding" in status.stdout
 
     stopped = cli("stop", "job", "--timeout", "5")
-    assert stopped.returncode == 0 and _no_traceback(stopped), stopped.stderr
+    assert stopped.returncode == 0 and no_traceback(stopped), stopped.stderr
     assert bystander.poll() is None, "stop signalled the pid in the manifest, not the lock holder"
     assert wait_until(lambda: holder.poll() is not None, what="the lock holder to get SIGTERM")

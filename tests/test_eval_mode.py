@@ -26,8 +26,9 @@ from .test_examples import EXAMPLES, run_example
 EVAL_TRANSFORMS = '[[transform]]\nop = "resize_short"\nsize = 40\n\n[[transform]]\nop = "center_crop"\nsize = 32\n'
 
 
-def eval_config(folder: Path, data: Path, *, name="val", world_size=2, batch_size=5, transforms=EVAL_TRANSFORMS,
-                extra_job="") -> Path:
+def eval_config(
+    folder: Path, data: Path, *, name="val", world_size=2, batch_size=5, transforms=EVAL_TRANSFORMS, extra_job=""
+) -> Path:
     path = folder / f"{name}.toml"
     path.write_text(
         textwrap.dedent(f"""\
@@ -77,8 +78,10 @@ def test_a_training_plans_digest_does_not_change_with_evaluation_plans():
     [
         ('[[transform]]\nop = "random_resized_crop"\nsize = 32\n', "transform #1 (random_resized_crop)"),
         (EVAL_TRANSFORMS + '\n[[transform]]\nop = "hflip"\n', "transform #3 (hflip)"),
-        ('[[transform]]\nop = "resize_short"\nmin = 40\nmax = 48\n[[transform]]\nop = "center_crop"\nsize = 32\n',
-         "transform #1 (resize_short)"),
+        (
+            '[[transform]]\nop = "resize_short"\nmin = 40\nmax = 48\n[[transform]]\nop = "center_crop"\nsize = 32\n',
+            "transform #1 (resize_short)",
+        ),
         (EVAL_TRANSFORMS + '\n[[transform]]\nop = "color_jitter"\nbrightness = 0.1\n', "transform #3 (color_jitter)"),
     ],
 )
@@ -130,8 +133,21 @@ def test_an_evaluation_job_beside_a_training_job_in_lightning_gives_the_datasets
     start_job(val)
     record, weights = tmp_path / "val.jsonl", tmp_path / "net.pt"
     run_example(
-        "lightning_eval.py", "train", "val", "--epochs", "1", "--devices", "2", "--num-classes", "4",
-        "--timeout", "60", "--record", str(record), "--weights", str(weights),
+        "lightning_eval.py",
+        "train",
+        "val",
+        "--epochs",
+        "1",
+        "--devices",
+        "2",
+        "--num-classes",
+        "4",
+        "--timeout",
+        "60",
+        "--record",
+        str(record),
+        "--weights",
+        str(weights),
     )
     lines = [json.loads(line) for line in record.read_text().splitlines()]
     assert sorted(line["rank"] for line in lines) == [0, 1]  # one validation (after the epoch), not the sanity one
@@ -167,8 +183,10 @@ def test_an_evaluation_job_beside_a_training_job_in_lightning_gives_the_datasets
 
 def test_a_pipeline_callable_may_serve_an_evaluation(tmp_path):
     path = tmp_path / "p.toml"
-    path.write_text('[job]\nmode = "eval"\n[pipeline]\ncallable = "mypkg.eval:make_sample"\n'
-                    f'[[source]]\nkind = "image_folder"\nroot = "{tmp_path}"\n')
+    path.write_text(
+        '[job]\nmode = "eval"\n[pipeline]\ncallable = "mypkg.eval:make_sample"\n'
+        f'[[source]]\nkind = "image_folder"\nroot = "{tmp_path}"\n'
+    )
     assert load_config(path).pipeline == "mypkg.eval:make_sample"
 
 
@@ -179,9 +197,11 @@ def test_a_replaced_sample_is_not_counted_twice_in_an_evaluation(tmp_path, job_r
     samples[3] = {"jpg": b"not an image", "cls": b"0"}
     shard = write_shard(tmp_path / "val.tar", samples)
     path = eval_config(tmp_path, tmp_path, world_size=1, batch_size=3)
-    path.write_text(path.read_text().replace(
-        f'kind = "image_folder"\nroot = "{tmp_path}"', f'kind = "webdataset"\nurls = "{shard}"'
-    ).replace("[daemon]", "[daemon]\nmax_bad_rate = 1.0"))
+    path.write_text(
+        path.read_text()
+        .replace(f'kind = "image_folder"\nroot = "{tmp_path}"', f'kind = "webdataset"\nurls = "{shard}"')
+        .replace("[daemon]", "[daemon]\nmax_bad_rate = 1.0")
+    )
     start_job(path)
     batches = read_epoch("val", world_size=1, with_meta=True)
     valid = [i for b in batches for i, ok in zip(b.arrays["index"].tolist(), b.arrays["valid"].tolist()) if ok]

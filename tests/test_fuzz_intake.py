@@ -177,8 +177,10 @@ def test_fuzzed_intakes_leave_the_daemon_serving_identical_batches(tmp_path, jpe
     status = wait_until(all_counted, timeout_s=60, what="every malformed message counted")
     assert daemon_alive(paths) and status["pid"] == pid
     refused = status["totals"]["refused"]
-    print(f"\nfuzz: {sent['messages']} messages ({sent['malformed']} malformed), {sent['files']} progress files; "
-          f"refused {refused}")
+    print(
+        f"\nfuzz: {sent['messages']} messages ({sent['malformed']} malformed), {sent['files']} progress files; "
+        f"refused {refused}"
+    )
     assert refused["message"] == sent["malformed"]
     assert refused.get("progress_file", 0) > 0 and refused.get("position", 0) > 0
 

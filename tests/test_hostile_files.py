@@ -83,9 +83,7 @@ def test_a_symlink_named_like_a_batch_is_refused_not_followed(tmp_path):
         map_batch(link)
 
 
-def test_a_fifo_named_like_a_batch_fails_the_read_at_once_and_leaves_no_thread_stuck(
-    tmp_path, jpeg_folder, job_root
-):
+def test_a_fifo_named_like_a_batch_fails_the_read_at_once_and_leaves_no_thread_stuck(tmp_path, jpeg_folder, job_root):
     paths = start_job(write_config(tmp_path, jpeg_folder, seed=11))
     fifo = paths.batch(20, 0, 0)  # far ahead: the daemon has not made it, and takes it as made
     os.mkfifo(fifo, 0o600)

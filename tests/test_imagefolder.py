@@ -119,9 +119,7 @@ def test_hidden_class_folders_and_hidden_files_count_as_in_torchvision(tmp_path,
     assert scanned_samples(root) == expected
 
 
-def test_non_utf8_file_names_keep_torchvision_ids_and_round_trip_through_the_saved_index(
-    tmp_path, torchvision_folder
-):
+def test_non_utf8_file_names_keep_torchvision_ids_and_round_trip_through_the_saved_index(tmp_path, torchvision_folder):
     root = tmp_path / "train"
     # As text "\udcff" sorts before "\ue000"; as bytes 0xff sorts after 0xee: torchvision sorts text.
     for i, name in enumerate(["a.jpg", "€.jpg", NON_UTF8, "\ue000.jpg", "z.jpg"]):
@@ -186,9 +184,7 @@ def test_file_list_that_is_not_utf8_is_a_data_error_naming_the_line(tmp_path):
         read_file_list(str(listing), "[[source]] #1")
 
 
-def test_daemon_serves_an_epoch_whose_index_and_label_match_torchvision_samples(
-    tmp_path, job_root, torchvision_folder
-):
+def test_daemon_serves_an_epoch_whose_index_and_label_match_torchvision_samples(tmp_path, job_root, torchvision_folder):
     root = imagenet_shaped_folder(tmp_path).resolve()  # as the config resolves it
     samples = torchvision_folder.ImageFolder(str(root)).samples
     paths = start_job(write_config(tmp_path, root, batch_size=2, buffer="2M"))

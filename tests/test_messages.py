@@ -59,8 +59,9 @@ HOSTILE = {
         {"op": "ready", "fields": [{"name": "x", "dtype": "uint8", "shape": ["4"]}]}
     ).encode(),
     "a heartbeat's sample malformed": json.dumps({"op": "heartbeat", "samples": 1, "sample": [1]}).encode(),
-    "failed without nospace": json.dumps({"op": "failed", "epoch": 0, "step": 0, "rank": 0, "error": "x",
-                                          "sample": False}).encode(),
+    "failed without nospace": json.dumps(
+        {"op": "failed", "epoch": 0, "step": 0, "rank": 0, "error": "x", "sample": False}
+    ).encode(),
     "huge": b'{"op": "boot_failed", "error": "' + b"x" * (messages.MAX_MESSAGE_BYTES + 1) + b'"}',
 }
 

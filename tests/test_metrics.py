@@ -139,15 +139,25 @@ def snapshot(ranks: list[dict]) -> dict:
         "job": "j",
         "uptime_s": 3.5,
         "buffer": {
-            "bound_bytes": 1000, "used_bytes": 700, "files_bytes": 700, "pinned_bytes": 100, "peak_bytes": 800,
+            "bound_bytes": 1000,
+            "used_bytes": 700,
+            "files_bytes": 700,
+            "pinned_bytes": 100,
+            "peak_bytes": 800,
             "batch_bytes": 100,
         },
         "ranks": ranks,
         "workers": {"count": 2, "busy": 1, "restarts": 0},
         "backing_off_no_space": False,
         "totals": {
-            "produced": 9, "produced_images": 36, "consumed_images": 8, "deleted": 2, "bad_samples": 1,
-            "bad_messages": 0, "refused": {"position": 3}, "worker_restarts": 4,
+            "produced": 9,
+            "produced_images": 36,
+            "consumed_images": 8,
+            "deleted": 2,
+            "bad_samples": 1,
+            "bad_messages": 0,
+            "refused": {"position": 3},
+            "worker_restarts": 4,
         },
     }
 
@@ -155,8 +165,12 @@ def snapshot(ranks: list[dict]) -> dict:
 def test_trainer_waits_are_series_only_for_ranks_that_report_them():
     rank = {"epoch": 0, "step": 2, "ready": 3, "in_flight": 1, "consumed": 2, "trainer": "alive"}
     ranks = [
-        {**rank, "rank": 0, "last_report_s_ago": 0.2,
-         "wait": {"seconds_total": 1.5, "waited_steps_total": 3, "steps_total": 10, "last_minute_share": 0.25}},
+        {
+            **rank,
+            "rank": 0,
+            "last_report_s_ago": 0.2,
+            "wait": {"seconds_total": 1.5, "waited_steps_total": 3, "steps_total": 10, "last_minute_share": 0.25},
+        },
         {**rank, "rank": 1, "last_report_s_ago": None, "wait": None},  # a progress-file trainer
         {**rank, "rank": 2, "last_report_s_ago": None},  # a daemon from before the field
     ]
@@ -176,8 +190,21 @@ def test_trainer_waits_are_series_only_for_ranks_that_report_them():
 
 @pytest.mark.parametrize(
     "address",
-    ["0", "65536", "-1", "http", ":", "127.0.0.1:", "1.2.3.4:5:6", "*:9464", "[zz]:9464", "a b:9464", "x" * 100_000,
-     "9464\n", "١٢٣"],
+    [
+        "0",
+        "65536",
+        "-1",
+        "http",
+        ":",
+        "127.0.0.1:",
+        "1.2.3.4:5:6",
+        "*:9464",
+        "[zz]:9464",
+        "a b:9464",
+        "x" * 100_000,
+        "9464\n",
+        "١٢٣",
+    ],
 )
 def test_a_bad_metrics_address_is_a_config_error_naming_the_flag(address, tmp_path):
     with pytest.raises(ConfigError, match=r"^\[daemon\] metrics / --metrics: .*(1-65535|expected)") as caught:
@@ -205,7 +232,8 @@ def test_start_refuses_a_hostile_metrics_value_with_exit_2_leaving_nothing(
     config = write_config(tmp_path, jpeg_folder, name="bad")
     result = subprocess.run(
         [sys.executable, "-m", "prefetchd", "start", str(config), "--metrics", address],
-        capture_output=True, timeout=60,
+        capture_output=True,
+        timeout=60,
     )
     stderr = result.stderr.decode("utf-8", "replace")
     assert result.returncode == 2, stderr
@@ -228,7 +256,9 @@ def test_a_port_in_use_fails_the_restart_and_keeps_the_warm_buffer(tmp_path, jpe
         port = taken.getsockname()[1]
         result = subprocess.run(
             [sys.executable, "-m", "prefetchd", "start", str(config), "--metrics", f":{port}"],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
     assert result.returncode == 2, result.stderr
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr and "choose another port" in result.stderr
@@ -314,9 +344,16 @@ def test_a_flood_of_requests_and_garbage_bytes_do_not_stop_the_daemon(tmp_path, 
         except OSError:
             pass
 
-    payloads = [os.urandom(4096), b"GET /" + b"A" * 200_000 + b" HTTP/1.1\r\n\r\n", b"\x16\x03\x01\x02\x00\x01",
-                b"GET /metrics HTTP/1.1\r\n" + b"X: y\r\n" * 200 + b"\r\n", b"POST /metrics HTTP/1.0\r\n\r\n",
-                b"GET /../../etc/passwd HTTP/1.0\r\n\r\n", b"", b"\r\n" * 1000]
+    payloads = [
+        os.urandom(4096),
+        b"GET /" + b"A" * 200_000 + b" HTTP/1.1\r\n\r\n",
+        b"\x16\x03\x01\x02\x00\x01",
+        b"GET /metrics HTTP/1.1\r\n" + b"X: y\r\n" * 200 + b"\r\n",
+        b"POST /metrics HTTP/1.0\r\n\r\n",
+        b"GET /../../etc/passwd HTTP/1.0\r\n\r\n",
+        b"",
+        b"\r\n" * 1000,
+    ]
     workers = [threading.Thread(target=flood) for _ in range(8)]
     workers += [threading.Thread(target=garbage, args=(p,)) for p in payloads * 3]
     for w in workers:

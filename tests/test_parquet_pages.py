@@ -29,8 +29,9 @@ def tables(draw):
     if draw(st.booleans()):  # repeated values: a dictionary that pays
         values = [v if v is None else values[i % 3] or b"x" for i, v in enumerate(values)]
     if draw(st.booleans()):
-        column = pa.array([None if v is None and i % 2 else {"bytes": v, "path": "p"} for i, v in enumerate(values)],
-                          _HUB_IMAGE)
+        column = pa.array(
+            [None if v is None and i % 2 else {"bytes": v, "path": "p"} for i, v in enumerate(values)], _HUB_IMAGE
+        )
         return pa.table({"image": column}), "image.bytes"
     return pa.table({"image": pa.array(values, draw(st.sampled_from([pa.binary(), pa.large_binary()])))}), "image"
 
@@ -48,8 +49,16 @@ def tables(draw):
 def test_every_value_is_pyarrows(tmp_path, table, compression, dictionary, page_size, version, group, statistics):
     table, leaf = table
     path = tmp_path / f"t{os.getpid()}.parquet"
-    pq.write_table(table, path, compression=compression, use_dictionary=dictionary, data_page_size=page_size,
-                   data_page_version=version, row_group_size=group, write_statistics=statistics)
+    pq.write_table(
+        table,
+        path,
+        compression=compression,
+        use_dictionary=dictionary,
+        data_page_size=page_size,
+        data_page_version=version,
+        row_group_size=group,
+        write_statistics=statistics,
+    )
     pf = pq.ParquetFile(path)
     (ci,) = [i for i in range(len(pf.schema)) if pf.schema.column(i).path == leaf]
     fd = os.open(path, os.O_RDONLY)
@@ -84,8 +93,14 @@ def test_damaged_pages_give_a_value_or_a_value_error_never_anything_else(tmp_pat
     rng = np.random.default_rng(7)
     images = [rng.bytes(int(rng.integers(100, 5000))) for _ in range(60)]
     clean = tmp_path / "clean.parquet"
-    pq.write_table(pa.table({"image": images}), clean, row_group_size=20, data_page_size=4096,
-                   compression="snappy", use_dictionary=False)
+    pq.write_table(
+        pa.table({"image": images}),
+        clean,
+        row_group_size=20,
+        data_page_size=4096,
+        compression="snappy",
+        use_dictionary=False,
+    )
     data = clean.read_bytes()
     footer = len(data) - 8 - int.from_bytes(data[-8:-4], "little")  # leave the footer: indexing reads it
     outcomes = {"right": 0, "ValueError": 0, "wrong": 0}

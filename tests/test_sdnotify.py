@@ -274,8 +274,10 @@ def test_beats_hold_while_a_trainer_reads_at_full_speed(tmp_path, jpeg_folder, j
         assert trainer.returncode == 0 and read > 24, f"the trainer read {read} batches"
         intervals = _intervals(times)
         median, longest = statistics.median(intervals), max(intervals)
-        print(f"\nwatchdog under load: {len(intervals)} intervals, median {median * 1e3:.1f} ms, "
-              f"max {longest * 1e3:.1f} ms, requested {BEAT_S * 1e3:.0f} ms; trainer read {read} batches")
+        print(
+            f"\nwatchdog under load: {len(intervals)} intervals, median {median * 1e3:.1f} ms, "
+            f"max {longest * 1e3:.1f} ms, requested {BEAT_S * 1e3:.0f} ms; trainer read {read} batches"
+        )
         assert 0.8 * BEAT_S < median < 1.3 * BEAT_S, intervals
         assert longest < WATCHDOG_USEC / 1e6, intervals
         assert daemon.stop(signal.SIGTERM) == 0, daemon.stderr()
@@ -333,6 +335,7 @@ def test_sigterm_as_soon_as_ready_arrives_is_a_clean_stop(tmp_path, jpeg_folder,
     paths = JobPaths(job_root / "job")
     daemon = ForegroundDaemon.of_config(write_config(tmp_path, jpeg_folder, workers=2), manager.env(), tmp_path)
     try:
+
         def stop_at_once() -> list[int]:
             family = daemon_family(paths)
             os.kill(daemon.proc.pid, signal.SIGTERM)

@@ -95,8 +95,10 @@ def test_two_fast_ranks_for_ten_minutes_keep_every_process_flat(tmp_path, jpeg_f
         f"max files {max(samples['files_bytes'])}"
     )
     for k in ("master_rss", "worker_rss", "client_rss"):
-        print(f"  {k}: {samples[k][warm[0]] / 2**20:.1f} -> {samples[k][-1] / 2**20:.1f} MiB, "
-              f"slope {slopes[k] / 2**20:+.2f} MiB/h")
+        print(
+            f"  {k}: {samples[k][warm[0]] / 2**20:.1f} -> {samples[k][-1] / 2**20:.1f} MiB, "
+            f"slope {slopes[k] / 2**20:+.2f} MiB/h"
+        )
     for k in ("master_fds", "worker_fds", "client_fds"):
         print(f"  {k}: {samples[k][warm[0]]} -> {samples[k][-1]} (min {min(samples[k])}, max {max(samples[k])})")
     every_minute = range(0, len(samples["t"]), 12)

@@ -68,7 +68,10 @@ def test_a_stop_signal_at_each_step_of_a_foreground_start(tmp_path, jpeg_folder,
     for step in STEPS:
         proc = subprocess.Popen(
             [sys.executable, "-m", "prefetchd", "start", str(config), "--foreground"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
         )
         try:
             _when_shown(step, job_root / "job", proc)
@@ -90,7 +93,10 @@ def test_a_stop_signal_at_each_step_of_a_detached_start(tmp_path, jpeg_folder, j
     for step in STEPS:
         command = subprocess.Popen(
             [sys.executable, "-m", "prefetchd", "start", str(config)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
         )
         try:
             daemon = wait_until(partial(_launched_daemon, command.pid), timeout_s=30, what="the launched daemon")

@@ -47,8 +47,9 @@ _BATCH_NAME = re.compile(r"e(\d{6})-s(\d{8})-r(\d{4})\.batch", re.ASCII)  # full
 _PROGRESS_NAME = re.compile(r"rank-(\d{1,4})", re.ASCII)
 
 
-def default_root() -> Path:
-    return Path(f"/dev/shm/prefetchd-{os.getuid()}")
+def default_root(uid: int | None = None) -> Path:
+    """The root of this user's jobs (or of user ``uid``'s) when none is named."""
+    return Path(f"/dev/shm/prefetchd-{os.getuid() if uid is None else uid}")
 
 
 def resolve_root(root: str | os.PathLike | None = None) -> Path:
