@@ -22,6 +22,7 @@ from prefetchd_client.folders import OpenJob, open_job, open_private_dir
 from prefetchd_client.layout import JobPaths, resolve_root
 from prefetchd_client.locks import daemon_alive
 from prefetchd_client.manifest import VersionMismatch, check_manifest, read_manifest, read_stopped
+from prefetchd_client.text import printable
 
 from . import control, settings
 from .config import load_config
@@ -30,6 +31,23 @@ from .errors import DaemonStop, ExitCode, JobError, UserError, describe, error_f
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Prefetch augmented training batches into a tmpfs buffer."
 )
+_TERMINAL_CELLS = range(20, 10_001)  # COLUMNS or LINES outside: no table fits, or no screen is that big
+
+
+def _prepare_terminal() -> None:
+    """Before any console (ours, typer's help's) reads them: drop a COLUMNS or LINES rich cannot use
+    (it prints nothing at 0, pads lines to 99999999999, raises on ²), so it follows the terminal,
+    80 x 25 without one; a name a non-UTF-8 terminal cannot encode shows as \\u65e5, not a crash."""
+    for name in ("COLUMNS", "LINES"):
+        value = os.environ.get(name, "20")
+        if not (value.isascii() and value.isdigit() and len(value) <= 5 and int(value) in _TERMINAL_CELLS):
+            del os.environ[name]
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(AttributeError, ValueError):  # not a TextIOWrapper, or closed
+            stream.reconfigure(errors="backslashreplace")
+
+
+_prepare_terminal()
 err = Console(stderr=True, soft_wrap=True)  # never break a path across lines
 out = Console(soft_wrap=True)
 
@@ -39,9 +57,14 @@ RootOpt = Annotated[
 ]
 
 
+def _literal(text: object) -> str:
+    """``text`` shown as it is by a rich print: printable (prefetchd_client.text), not markup."""
+    return escape(printable(text))
+
+
 def _fail(exc: UserError) -> typer.Exit:
-    # escape: the message names keys like "[daemon] endpoint", which rich would read as markup
-    err.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+    # Its message may quote file names, a reader's words or a daemon's stop reason: data.
+    err.print(f"[bold red]error:[/] {_literal(exc)}", highlight=False, soft_wrap=True)
     return typer.Exit(int(exc.exit_code))
 
 
@@ -140,14 +163,15 @@ def start(
             _check_ipc_path(paths)
         warning = control.endpoint_warning(cfg)
         if warning is not None:
-            err.print(f"[bold yellow]warning:[/] {escape(warning)}", highlight=False)
+            err.print(f"[bold yellow]warning:[/] {_literal(warning)}", highlight=False)
         if foreground:
             _serve_in_foreground(cfg, paths, keep)
             return
         msg = start_detached(cfg, paths, keep=keep, launched=_take_early_daemon())
     except UserError as exc:
         raise _fail(exc) from None
-    out.print(f"job {cfg.name} serving\njob dir: {msg['job_dir']}\npid: {msg['pid']}", highlight=False)
+    job_dir, pid = _literal(msg["job_dir"]), _literal(msg["pid"])  # the daemon's words
+    out.print(f"job {_literal(cfg.name)} serving\njob dir: {job_dir}\npid: {pid}", highlight=False)
 
 
 def _serve_in_foreground(cfg, paths: JobPaths, keep: bool) -> None:
@@ -161,7 +185,7 @@ def _serve_in_foreground(cfg, paths: JobPaths, keep: bool) -> None:
 
     def notify(msg: dict) -> None:
         if msg["ok"]:
-            err.print(f"job {cfg.name} serving at {paths.dir} (pid {msg['pid']}); Ctrl-C stops it")
+            err.print(_literal(f"job {cfg.name} serving at {paths.dir} (pid {msg['pid']}); Ctrl-C stops it"))
         else:
             failures.append(error_from_json(msg["error"]))
 
@@ -230,10 +254,12 @@ def status(
         return
     reports = fetch()
     if as_json:
-        print(json.dumps(reports[0] if job is not None else reports, indent=1))
+        # The exact text, as printable ASCII: json.dumps escapes every other control character
+        # (C1 and bidi ones as \uXXXX, for it writes ASCII), DEL only by our hand.
+        print(json.dumps(reports[0] if job is not None else reports, indent=1).replace("\x7f", "\\u007f"))
         return
     if not reports:
-        out.print(f"no jobs under {resolve_root(root)}")
+        out.print(_literal(f"no jobs under {resolve_root(root)}"))
     for s in reports:
         out.print(statusview.render(s), highlight=False)
 
@@ -275,7 +301,7 @@ def stop(
         outcome = stop_job(_job_paths(job, root), keep=keep, timeout_s=timeout)
     except UserError as exc:
         raise _fail(exc) from None
-    out.print(f"job {job}: {outcome}", highlight=False)
+    out.print(_literal(f"job {job}: {outcome}"), highlight=False)
 
 
 @app.command()
@@ -306,26 +332,34 @@ def verify(
         raise _fail(exc) from None
     if not result["identical"]:
         err.print(
-            f"[bold red]differs:[/] {result['batch']}: published crc32 {result['published_crc32']}, "
-            f"regenerated {result['regenerated_crc32']}; "
-            f"{result['reason'] + '; ' if result.get('reason') else ''}"
-            f"fields {', '.join(result['differing_fields']) or '(hash only)'}",
+            "[bold red]differs:[/] "
+            + _literal(
+                f"{result['batch']}: published crc32 {result['published_crc32']}, "
+                f"regenerated {result['regenerated_crc32']}; "
+                f"{result['reason'] + '; ' if result.get('reason') else ''}"
+                f"fields {', '.join(result['differing_fields']) or '(hash only)'}"
+            ),
             highlight=False,
         )
         raise typer.Exit(1)
-    out.print(f"identical: {result['batch']} crc32 {result['regenerated_crc32']}", highlight=False)
+    out.print(_literal(f"identical: {result['batch']} crc32 {result['regenerated_crc32']}"), highlight=False)
 
 
 @app.command()
 def pack(
     source: Annotated[str, typer.Argument(help="Image folder (<root>/<class>/<image>) or file list of 'path,label'")],
-    out_dir: Annotated[Path, typer.Argument(help="Folder for the shards and pack.json; new or empty")],
+    out_dir: Annotated[
+        Path, typer.Argument(help="Folder for the shards and pack.json: new, or empty and only yours to write")
+    ],
     shard_size: Annotated[str, typer.Option(help="Largest shard, e.g. 1G, 512M")] = "1G",
     max_short_side: Annotated[
         Optional[int], typer.Option(help="Shrink images whose shorter side is longer to this many pixels")
     ] = None,
     quality: Annotated[int, typer.Option(help="JPEG quality of a resized JPEG")] = 90,
     workers: Annotated[Optional[int], typer.Option(help="Processes for the per-image work [default: cores]")] = None,
+    mode: Annotated[
+        str, typer.Option(help="Octal mode of the files (folders get x beside r): 644 lets all users read the pack")
+    ] = "600",
 ) -> None:
     """Write the data as WebDataset tar shards (<key>.jpg + <key>.cls) in id order, with pack.json."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -334,7 +368,11 @@ def pack(
 
     try:
         opts = packing.check_options(
-            shard_size, max_short_side, quality, workers if workers is not None else len(os.sched_getaffinity(0))
+            shard_size,
+            max_short_side,
+            quality,
+            workers if workers is not None else len(os.sched_getaffinity(0)),
+            mode,
         )
         with Progress(
             TextColumn("packing"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err
@@ -347,8 +385,8 @@ def pack(
         raise _fail(exc) from None
     except Exception as exc:  # noqa: BLE001 - a bug or the unforeseen: one line (pack removes what it wrote)
         raise _fail(DaemonStop(f"internal error while packing: {describe(exc)}", ExitCode.INTERNAL)) from None
-    err.print(packing.summary(manifest), highlight=False)
-    out.print(f"pack: {out_dir}", highlight=False)
+    err.print(_literal(packing.summary(manifest)), highlight=False)
+    out.print(_literal(f"pack: {out_dir}"), highlight=False)
 
 
 @app.command()

@@ -146,10 +146,16 @@ def _problem_with(data: object) -> str | None:
     return None
 
 
-def describe(exc: BaseException) -> str:
-    """An exception named by its class, with its text cut short: for a message, not a log."""
-    text = str(exc)
-    return f"{type(exc).__name__}: {text[:_DESCRIBE_CHARS]}" if text else type(exc).__name__
+def describe(exc: BaseException, limit: int = _DESCRIBE_CHARS) -> str:
+    """An exception named by its class, with its text cut to ``limit`` characters: for a
+    message, not a log."""
+    try:
+        text = str(exc)
+    except Exception:  # noqa: BLE001 - a [pipeline] callable's exception may fail even at that
+        text = "(its text could not be made)"
+    if len(text) > limit:
+        text = text[: max(limit - 3, 0)] + "..."
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def start_failure(exc: BaseException, log: Path) -> UserError | None:

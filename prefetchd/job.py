@@ -92,6 +92,7 @@ def build_job(config: Config, paths: JobPaths) -> Job:
         decoder=config.decoder,
         plan_digest=digest,
         image_columns=[s["image_column"] if s["kind"] == "parquet" else "" for s in config.sources],
+        label_keys=[s.get("label_key") if s["kind"] == "webdataset" else None for s in config.sources],
     )
     write_json(paths.dir / PRODUCER_SPEC, spec.to_json())  # `prefetchd verify` remakes batches from it
     return Job(config, paths, plan, source_names, content, spec.config_hash, digest, spec)

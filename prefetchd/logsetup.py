@@ -6,16 +6,27 @@ import logging
 import os
 import resource
 
+from prefetchd_client.text import printable
+
 from .errors import DaemonStop, UserError
 
 log = logging.getLogger("prefetchd")
+
+
+class _PrintableLines(logging.Formatter):
+    """Each line of a record made printable (prefetchd_client.text): the log names files and
+    quotes readers, and whoever reads it runs `tail -f` on a terminal. A worker's traceback
+    keeps its lines."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return "\n".join(map(printable, super().format(record).split("\n")))
 
 
 def log_to(path) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     # backslashreplace: a line naming a file whose name is not UTF-8 must reach the log, not be lost
     handler = logging.StreamHandler(os.fdopen(fd, "a", buffering=1, errors="backslashreplace"))
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    handler.setFormatter(_PrintableLines("%(asctime)s %(levelname)s %(message)s"))
     log.addHandler(handler)
     log.setLevel(logging.INFO)
 

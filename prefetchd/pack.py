@@ -23,9 +23,18 @@ Rules:
   as the daemon records a replaced sample in its batch header; a pack where no sample is
   readable fails (exit 3). Files are opened with O_NONBLOCK and checked to be regular files
   before reading: a FIFO never blocks.
-- OUT_DIR must be new or empty: pack never deletes or replaces a file it did not make. Shards
-  are written under OUT_DIR/.partial and renamed into place at the end; on any failure,
-  Ctrl-C included, what this run made is removed.
+- OUT_DIR must be new or empty, and a folder of this user's that nobody else can write, under
+  folders that only root or this user can change (sticky ones such as /tmp aside): the job
+  root's rule (prefetchd_client.folders). In another user's folder, or one others can write,
+  they could swap .partial or pack.json for a symlink between two steps and have this user's
+  pack overwrite or delete this user's files. pack never deletes or replaces a file it did not
+  make. It works relative to OUT_DIR's descriptor: each file is created O_EXCL|O_NOFOLLOW in
+  OUT_DIR/.partial and linked into place at the end (pack.json last; renamed where the file
+  system has no hard links); on any failure, Ctrl-C included, what this run made is removed,
+  each file by its name in the folder held open and only while it is still the inode made.
+- files are written 0600 and folders pack creates (OUT_DIR and any missing one above it)
+  0700, unless --mode says otherwise: --mode 644 shares the pack for reading (folders 0755:
+  an x bit beside each r). No mode lets another user write; the umask does not apply.
 - a shard is closed before it would exceed --shard-size; a sample bigger than that on its own
   gets a shard of its own.
 """
@@ -33,9 +42,13 @@ Rules:
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import io
 import json
 import os
+import re
+import signal
 import stat
 import tarfile
 from concurrent.futures import ProcessPoolExecutor
@@ -44,6 +57,9 @@ from multiprocessing import get_context
 from pathlib import Path
 
 from PIL import Image
+
+from prefetchd_client.errors import UnsafeFolder
+from prefetchd_client.folders import DIR_FLAGS, make_private_dir
 
 from . import workerserver
 from .errors import ConfigError, DataError, UserError
@@ -55,6 +71,10 @@ FORMAT_VERSION = 1
 KEY_DIGITS = 9
 _MIN_SHARD_BYTES = tarfile.RECORDSIZE  # one tar record: the smallest file tarfile writes
 _CHUNK = 16  # samples per task sent to a worker: amortises the pickling round trip
+_PARTIAL = ".partial"  # shards are written here and moved into OUT_DIR at the end
+_FIX = "choose a folder of your own that only you can write (mode 700), under folders of yours or root's"
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_OCTAL_MODE = re.compile(r"(?:0o)?([0-7]{1,12})", re.ASCII)  # 12: a bound, far past 7777
 _EXTENSIONS = {"JPEG": "jpg", "PNG": "png", "TIFF": "tiff", "WEBP": "webp", "BMP": "bmp", "PPM": "ppm"}
 
 
@@ -64,9 +84,40 @@ class PackOptions:
     max_short_side: int | None
     quality: int
     workers: int
+    mode: int = 0o600  # of the files; a folder gets an x bit beside each r bit (dir_mode)
+
+    @property
+    def dir_mode(self) -> int:
+        return self.mode | (self.mode & 0o444) >> 2
 
 
-def check_options(shard_size: str, max_short_side: int | None, quality: int, workers: int) -> PackOptions:
+def parse_mode(text: str) -> int:
+    """--mode: the permission bits of the files pack writes, in octal (600, 640, 644)."""
+    # ASCII octal digits only, as chmod reads them (0o as in Python allowed): int() alone would
+    # also take "६४४" (Devanagari digits), "6_44" and "+644" as 644.
+    digits = _OCTAL_MODE.fullmatch(text.strip(" \t"))
+    if digits is None:
+        raise ConfigError(
+            f"--mode {text!r} is not an octal mode; use e.g. 600 (only you) or 644 (all may read)"
+        ) from None
+    mode = int(digits[1], 8)
+    if not 0 <= mode <= 0o777:
+        raise ConfigError(f"--mode {text}: only read and write bits (000-777); no setuid, setgid or sticky bit")
+    if mode & 0o022:
+        raise ConfigError(
+            f"--mode {text} lets other users write the shards, so they could replace them; use 644 (all may "
+            "read) or 640 (your group may read)"
+        )
+    if mode & 0o111:
+        raise ConfigError(f"--mode {text}: shards are not programs; no x bit (folders get one beside each r)")
+    if mode & 0o600 != 0o600:
+        raise ConfigError(f"--mode {text}: you must be able to read and write what you pack (6 first: 600, 644)")
+    return mode
+
+
+def check_options(
+    shard_size: str, max_short_side: int | None, quality: int, workers: int, mode: str = "600"
+) -> PackOptions:
     try:
         size = parse_size(shard_size)
     except ValueError as exc:
@@ -79,7 +130,7 @@ def check_options(shard_size: str, max_short_side: int | None, quality: int, wor
         raise ConfigError(f"--quality must be in 1..100 (JPEG quality), not {quality}")
     if not 1 <= workers <= 256:
         raise ConfigError(f"--workers must be in 1..256, not {workers}")
-    return PackOptions(size, max_short_side, quality, workers)
+    return PackOptions(size, max_short_side, quality, workers, parse_mode(mode))
 
 
 def load_source(source: str) -> tuple[SampleIndex, str, list[str] | None]:
@@ -143,7 +194,11 @@ def _encoded(index: SampleIndex, opts: PackOptions):
         return
     ctx = get_context("forkserver")  # fork would copy the parent's threads (rich's refresher) mid-state
     workerserver.fit_socket_folder()
-    with ProcessPoolExecutor(opts.workers, mp_context=ctx) as pool:
+    # The server and the workers hold their own pipes open, so no EOF ends them when pack is
+    # killed (kill -9, the OOM killer): they would wait for good. The server preloads
+    # workerserver, which asks the kernel to kill it with its parent; each worker asks the same.
+    ctx.set_forkserver_preload([workerserver.__name__])
+    with ProcessPoolExecutor(opts.workers, mp_context=ctx, initializer=_die_with_the_pack) as pool:
         pending = []
         try:
             for paths in chunks:
@@ -154,6 +209,16 @@ def _encoded(index: SampleIndex, opts: PackOptions):
                 yield from pending.pop(0).result()
         finally:
             pool.shutdown(cancel_futures=True)
+
+
+def _die_with_the_pack() -> None:
+    """In a worker: SIGKILL when its parent (the fork server, which dies with pack) dies; and
+    Ctrl-C, which a terminal sends to the whole group, left to pack (no traceback per worker)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: pack's pool ends its workers when it can
+        pass
 
 
 def _member(name: str, data: bytes) -> tuple[tarfile.TarInfo, io.BytesIO]:
@@ -173,14 +238,115 @@ def _closed_size(offset: int) -> int:
     return -(-(offset + 2 * tarfile.BLOCKSIZE) // tarfile.RECORDSIZE) * tarfile.RECORDSIZE
 
 
-class _ShardWriter:
-    """Shards under ``partial``, each closed before it would exceed the bound."""
+class _OutDir:
+    """OUT_DIR, checked and held open: every file is made in it, moved and removed relative to
+    a descriptor, never by a path that could name another folder by then.
 
-    def __init__(self, partial: Path, limit: int):
-        self.partial, self.limit = partial, limit
+    OUT_DIR must be this user's, writable by no one else, under folders no one else can
+    change (prefetchd_client.folders: the rule of the job root); one that does not exist is
+    made, with any missing folder above it, with the folder mode. A failed run removes what it
+    made and nothing else: each file by its name in the folder it was made in, and only while
+    that name is still the inode it made.
+    """
+
+    def __init__(self, out_dir: Path, opts: PackOptions):
+        self.path, self.mode = out_dir, opts.mode
+        try:
+            self.fd, self.made_dirs = make_private_dir(out_dir, "output folder", mode=opts.dir_mode, fix=_FIX)
+        except UnsafeFolder as exc:
+            raise UserError(str(exc)) from None
+        except OSError as exc:
+            raise UserError(f"cannot create output folder {out_dir}: {exc.strerror}; choose another folder") from None
+        self.partial_fd = -1
+        self.partial_ino = 0
+        self.files: list[tuple[str, int]] = []  # made in .partial: (name, inode)
+        self.moved: list[tuple[str, int]] = []  # ... and already moved into OUT_DIR
+        try:
+            entries = os.listdir(self.fd)
+            if entries:
+                # .partial is pack's own: one left there is a run killed before it could remove it
+                # (kill -9, a crash, the machine down); what it holds is incomplete.
+                left = (
+                    f"; it holds {_PARTIAL}, left by a pack that did not finish (killed before it could clean up): "
+                    f"remove the folder (rm -r {out_dir}) and pack again"
+                    if _PARTIAL in entries
+                    else ""
+                )
+                raise UserError(
+                    f"output folder {out_dir} is not empty; pack never replaces files: choose a new or empty "
+                    f"folder{left}"
+                )
+            os.mkdir(_PARTIAL, 0o700, dir_fd=self.fd)  # inside a private folder: nobody else can swap it
+            self.partial_fd = os.open(_PARTIAL, DIR_FLAGS, dir_fd=self.fd)
+            self.partial_ino = os.fstat(self.partial_fd).st_ino
+        except BaseException:
+            self.remove()
+            raise
+
+    def create(self, name: str) -> int:
+        """A new file ``name`` in .partial, with the files' mode; its descriptor, open for writing."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(name, flags, 0o600, dir_fd=self.partial_fd)
+        self.files.append((name, os.fstat(fd).st_ino))
+        os.fchmod(fd, self.mode)  # exactly --mode: the umask neither narrows nor widens it
+        return fd
+
+    def publish(self) -> None:
+        """Move every file into OUT_DIR in the order made (pack.json last), and remove .partial."""
+        for name, ino in list(self.files):
+            # Noted first: a failure from here on finds it by its inode under either name.
+            self.moved.append((name, ino))
+            try:  # a link never replaces a name that is there; rename would
+                os.link(name, name, src_dir_fd=self.partial_fd, dst_dir_fd=self.fd, follow_symlinks=False)
+            except FileExistsError:
+                raise UserError(f"{self.path / name} appeared while packing; pack never replaces files") from None
+            except OSError as exc:
+                if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.EMLINK):
+                    raise
+                os.rename(name, name, src_dir_fd=self.partial_fd, dst_dir_fd=self.fd)  # no hard links here
+            else:
+                os.unlink(name, dir_fd=self.partial_fd)
+            self.files.remove((name, ino))
+        os.rmdir(_PARTIAL, dir_fd=self.fd)
+        os.close(self.partial_fd)
+        self.partial_fd = -1
+
+    def remove(self) -> None:
+        """What this run made, gone: its files, .partial, and the folders it created."""
+        for dir_fd, made in ((self.fd, self.moved), (self.partial_fd, self.files)):
+            for name, ino in made:
+                _unlink_if(dir_fd, name, ino)
+        if self.partial_fd >= 0:
+            with contextlib.suppress(OSError):  # holds what is not ours: left as it is
+                if os.stat(_PARTIAL, dir_fd=self.fd, follow_symlinks=False).st_ino == self.partial_ino:
+                    os.rmdir(_PARTIAL, dir_fd=self.fd)
+        self._close_folders()
+        self.made_dirs.remove()
+
+    def close(self) -> None:
+        self._close_folders()
+        self.made_dirs.close()
+
+    def _close_folders(self) -> None:
+        for fd in (self.partial_fd, self.fd):
+            if fd >= 0:
+                os.close(fd)
+        self.partial_fd = self.fd = -1
+
+
+def _unlink_if(dir_fd: int, name: str, ino: int) -> None:
+    """Unlink ``name`` only while it is still the inode this run made."""
+    with contextlib.suppress(OSError):
+        if dir_fd >= 0 and os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_ino == ino:
+            os.unlink(name, dir_fd=dir_fd)
+
+
+class _ShardWriter:
+    """Shards in the output folder's .partial, each closed before it would exceed the bound."""
+
+    def __init__(self, out: _OutDir, limit: int):
+        self.out, self.limit = out, limit
         self.shards: list[dict] = []
-        self.made: list[Path] = []  # files this run created under .partial
-        self.moved: list[Path] = []  # ... and those already renamed into OUT_DIR
         self._tar: tarfile.TarFile | None = None
         self._offset = 0
 
@@ -199,9 +365,7 @@ class _ShardWriter:
 
     def _open(self) -> None:
         name = f"shard-{len(self.shards):06d}.tar"
-        path = self.partial / name
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        self.made.append(path)
+        fd = self.out.create(name)
         self._tar = tarfile.open(fileobj=os.fdopen(fd, "wb"), mode="w", format=tarfile.USTAR_FORMAT)
         self.shards.append({"name": name, "samples": 0, "bytes": 0})
         self._offset = 0
@@ -209,40 +373,29 @@ class _ShardWriter:
     def close(self) -> None:
         if self._tar is not None:
             fileobj = self._tar.fileobj
-            self._tar.close()  # tarfile does not close a fileobj it was given
-            fileobj.close()
-            self.shards[-1]["bytes"] = os.path.getsize(self.partial / self.shards[-1]["name"])
+            try:
+                self._tar.close()  # tarfile does not close a fileobj it was given
+                fileobj.flush()
+                self.shards[-1]["bytes"] = os.fstat(fileobj.fileno()).st_size
+            finally:
+                self._tar = None
+                fileobj.close()
+
+    def discard(self) -> None:
+        """Close an open shard unfinished (a failed run removes it)."""
+        if self._tar is not None:
+            with contextlib.suppress(OSError):
+                self._tar.fileobj.close()
             self._tar = None
-
-
-def _prepare_out_dir(out_dir: Path) -> bool:
-    """Whether this run created ``out_dir``; refuses one that holds anything."""
-    try:
-        out_dir.mkdir(parents=True)
-        return True
-    except FileExistsError:
-        pass
-    except OSError as exc:
-        raise UserError(f"cannot create output folder {out_dir}: {exc.strerror}") from None
-    if not out_dir.is_dir():
-        raise UserError(f"output folder {out_dir} exists and is not a folder; choose a new or empty folder")
-    if any(out_dir.iterdir()):
-        raise UserError(
-            f"output folder {out_dir} is not empty; pack never replaces files: choose a new or empty folder"
-        )
-    return False
 
 
 def pack(source: str, out_dir: Path, opts: PackOptions, progress=None) -> dict:
     """Pack ``source`` into ``out_dir``; returns the manifest written as pack.json.
     ``progress(done, total)`` is called after each sample."""
     index, kind, classes = load_source(source)
-    created = _prepare_out_dir(out_dir)
-    partial = out_dir / ".partial"
-    writer = None
+    out = _OutDir(out_dir, opts)
+    writer = _ShardWriter(out, opts.shard_size)
     try:
-        partial.mkdir()
-        writer = _ShardWriter(partial, opts.shard_size)
         skipped, resized = [], 0
         for i, result in enumerate(_encoded(index, opts)):
             if isinstance(result, str):
@@ -270,28 +423,21 @@ def pack(source: str, out_dir: Path, opts: PackOptions, progress=None) -> dict:
             "shards": writer.shards,
             "options": {"shard_size": opts.shard_size, "max_short_side": opts.max_short_side, "quality": opts.quality},
         }
-        (partial / "pack.json").write_text(json.dumps(manifest, indent=1) + "\n")
-        writer.made.append(partial / "pack.json")
-        for path in writer.made:  # pack.json last: a folder with it holds every shard
-            os.rename(path, out_dir / path.name)
-            writer.moved.append(out_dir / path.name)
-        partial.rmdir()
+        with os.fdopen(out.create("pack.json"), "wb") as f:
+            f.write((json.dumps(manifest, indent=1) + "\n").encode())
+        out.publish()  # pack.json last: a folder with it holds every shard
+        out.close()
         return manifest
-    except BaseException:
-        _remove_partial(out_dir, partial, writer, created)
+    except BaseException as exc:
+        writer.discard()
+        out.remove()
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            # The place, not a bug: said as such, not as an internal error (exit 70).
+            raise UserError(
+                f"no space left for the pack in output folder {out_dir} ({exc.strerror}); what it wrote there is "
+                "removed: free space there (or raise your quota), or choose a folder on another file system"
+            ) from None
         raise
-
-
-def _remove_partial(out_dir: Path, partial: Path, writer: _ShardWriter | None, created: bool) -> None:
-    if writer is not None:
-        if writer._tar is not None:
-            writer._tar.fileobj.close()
-        for path in writer.made + writer.moved:
-            if path.exists():
-                path.unlink()
-    for folder in (partial, out_dir) if created else (partial,):
-        with contextlib.suppress(OSError):  # holds what is not ours: left as it is
-            folder.rmdir()
 
 
 def summary(m: dict) -> str:

@@ -148,8 +148,11 @@ class BadSampleBudget:
         self.samples += samples
         self.bad += len(replaced)
         if longest_bad_run >= self.in_a_row:
+            last = replaced[-1]
+            # The record's short form (a header too small for every path and cause) has no error.
+            why = f": {last['error']}" if last.get("error") else ""
             raise DaemonStop(
-                f"{longest_bad_run} unreadable samples in a row (the last: {replaced[-1]['path']}); "
+                f"{longest_bad_run} unreadable samples in a row (the last: {last.get('path', '?')}{why}); "
                 f"is the data intact? see {self.log}",
                 ExitCode.BAD_DATA,
             )

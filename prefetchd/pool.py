@@ -17,16 +17,21 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
+import shutil
+import stat
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from prefetchd_client.batchfile import FieldSpec
+from prefetchd_client.errors import UnsafeFolder
 
-from . import messages, stopsignals, workerserver
+from . import messages, raycluster, stopsignals, workerserver
 from .errors import DaemonStop, ExitCode, JobError
 from .job import Job
-from .raybridge import bridge_main
+from .jobdir import ensure_private_dir
+from .raybridge import bridge_main, end_processes_using
 from .worker import HEARTBEAT_S, worker_main
 
 log = logging.getLogger("prefetchd")
@@ -37,6 +42,9 @@ _WORKER_STOP_TIMEOUT_S = 5.0
 _SPAWN_ATTEMPTS = 5  # a fork server killed during a spawn is started again; one that always dies is not
 _LOST_WITH_SERVER = 255  # multiprocessing's exit code for a worker whose fork server went away
 _SERVER_EXIT_S = 1.0  # a killed server's exit shows within milliseconds; a worker that exits 255 itself waits this
+_RAY_FOLDER = "ray"  # <job>/ray (0700): a private Ray instance's temp folder is <job>/ray/s
+_RAY_RUNTIME_PREFIX = "prefetchd-ray"  # in $XDG_RUNTIME_DIR or $TMPDIR, when <job>/ray/s is too long for Ray's sockets
+_RAY_TEMP_SUFFIX = "/s"
 _CHARGED_REMEMBERED = 256  # deaths charged lately, by process: the workers of one server die over several turns
 
 
@@ -85,6 +93,7 @@ class WorkerPool:
         self.ray_booted = False  # the bridge has connected once: a later failure loses Ray, not the start
         self.ray_lost: str | None = None  # why the Ray cluster was given up
         self._charged: dict[tuple[str, int], None] = {}  # deaths counted lately, oldest first (charge_death)
+        self._ray_folder: Path | None = None  # a private Ray instance's folder (--ray-address local)
 
     def spawn_all(self) -> None:
         for _ in range(self.job.config.workers):
@@ -104,6 +113,7 @@ class WorkerPool:
             "local_cpus": cfg.ray_workers,
             "store_bytes": _LOCAL_RAY_STORE_BYTES,
             "plasma_dir": tempfile.gettempdir(),
+            "ray_temp": self._private_ray_folder() if cfg.ray_address == "local" else None,
         }
         process = ctx.Process(
             target=bridge_main,
@@ -116,6 +126,53 @@ class WorkerPool:
             child.close()
         self.changed = True
         return [WorkerSlot(process, parent, kind="ray") for parent, _ in pipes]
+
+    def _private_ray_folder(self) -> str:
+        """Ray's temp folder for a private instance (--ray-address local), never the shared /tmp/ray
+        (another user's session folders there, which Ray makes 0777): ``s`` in a 0700 folder of this
+        user's: ``<job>/ray``, or, when the job's path is too long for Ray's sockets, a fresh one
+        (mkdtemp: nobody can have made it first) in $XDG_RUNTIME_DIR, else in the temp folder
+        ($TMPDIR, /tmp). Ray chmods its temp folder 0777: the 0700 folder above keeps others out.
+        What a previous instance left in <job>/ray (a killed daemon's) is ended and removed first."""
+        self._end_private_ray()
+        bases = [b for b in (os.environ.get("XDG_RUNTIME_DIR", ""), tempfile.gettempdir()) if os.path.isabs(b)]
+        candidates = [self.job.paths.dir / _RAY_FOLDER, *(Path(b) / _RAY_RUNTIME_PREFIX for b in bases)]
+        for folder in candidates:
+            fresh = folder.parent != self.job.paths.dir
+            if not raycluster.fits_ray_sockets(str(folder) + ("-xxxxxxxx" if fresh else "") + _RAY_TEMP_SUFFIX):
+                continue
+            try:
+                if fresh:
+                    folder = Path(tempfile.mkdtemp(prefix=folder.name + "-", dir=folder.parent))
+                os.close(ensure_private_dir(folder, "Ray's temp folder"))  # and the folders above it: checked
+            except (UnsafeFolder, JobError, OSError) as exc:
+                log.warning("not using %s for Ray's temp folder: %s", folder, exc)
+                continue
+            self._ray_folder = folder
+            return str(folder) + _RAY_TEMP_SUFFIX
+        raise DaemonStop(
+            f"the Ray executor could not start: a private Ray instance's socket paths under {self.job.paths.dir} "
+            f"would exceed {raycluster.MAX_SOCKET_PATH_BYTES} bytes (AF_UNIX's limit), and under $XDG_RUNTIME_DIR "
+            "and the temp folder too; use a shorter --root or job name, or set XDG_RUNTIME_DIR or TMPDIR to a short "
+            "folder of yours (0700)",
+            ExitCode.WORKER_BOOT,
+        )
+
+    def _end_private_ray(self) -> None:
+        """End every process of the private Ray instance (those that hold a file in its folder,
+        however they are titled or re-parented) and remove the folder."""
+        folder = self._ray_folder or self.job.paths.dir / _RAY_FOLDER
+        try:
+            if not stat.S_ISDIR(os.lstat(folder).st_mode):  # a symlink: what it names is not the instance's
+                log.warning("%s is not a folder: left as it is, and no process is ended for it", folder)
+                return
+        except FileNotFoundError:
+            return
+        ended = end_processes_using(str(folder))
+        if ended:
+            log.info("ended %d processes of the private Ray instance: %s", len(ended), ended[:20])
+        shutil.rmtree(folder, ignore_errors=True)
+        self._ray_folder = None
 
     def _spawn(self) -> WorkerSlot:
         for _ in range(_SPAWN_ATTEMPTS):
@@ -164,6 +221,14 @@ class WorkerPool:
                         f"{what} exited with code {slot.process.exitcode} while booting; see {self.job.paths.log}"
                     )
             multiprocessing.connection.wait([s.conn for s in self.slots], timeout=0.2)
+        if any(s.kind == "ray" and not s.ready for s in self.slots):
+            said = raycluster.reason_in_logs(self._ray_folder and str(self._ray_folder) + _RAY_TEMP_SUFFIX)
+            raise JobError(
+                f"the Ray bridge did not connect to {self.job.config.ray_address} and check its nodes within "
+                f"{WORKER_BOOT_TIMEOUT_S:.0f} s"
+                + (f"; Ray's own words: {said}" if said else "")
+                + f"; see {self.job.paths.log}"
+            )
         raise JobError(f"no worker booted within {WORKER_BOOT_TIMEOUT_S:.0f} s; see {self.job.paths.log}")
 
     def receive(self, slot: WorkerSlot) -> list[messages.Done | messages.Failed]:
@@ -359,6 +424,8 @@ class WorkerPool:
                 slot.process.join(2.0)
             slot.conn.close()
         self.slots = []
+        if self.job.config.executor == "ray" and self.job.config.ray_address == "local":
+            self._end_private_ray()  # a bridge killed mid-boot leaves Ray's agents, which ignore SIGTERM
 
     def snapshot(self) -> list[dict]:
         """Each worker's pid, kind, whether it is busy, and with which batch (for status)."""

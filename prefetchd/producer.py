@@ -13,7 +13,9 @@ import hashlib
 import importlib
 import json
 import os
+import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from PIL import Image
 from prefetchd_client.batchfile import PREAMBLE, BatchBuffer, BatchLayout, BatchWriter, FieldSpec, content_digest
 from prefetchd_client.layout import JobPaths, batch_name
 
+from .errors import describe
 from .plan import Plan
 from .samplereader import SampleReader
 from .sources import SampleIndex
@@ -36,7 +39,10 @@ class SampleError(Exception):
 
 
 _REPLACEMENT_ATTEMPTS = 10
-_ERROR_CHARS = 200
+# Of one sample's cause, as its reader said it, wherever it goes: a batch's record, a log line,
+# a stop message. Room for a path and the reader's sentence; a stop names at most 11 of them.
+_CAUSE_CHARS = 300
+_DIGITS = re.compile(r"\d+")
 # The header area of a batch file holds the field table and the meta object. It is sized so
 # that every sample of a batch can be recorded as replaced in the short form below (at most
 # 80 bytes of JSON); the full form (path, error) is kept while it fits, and always logged.
@@ -50,7 +56,8 @@ class FillReport:
     """What went into a batch besides pixels."""
 
     per_source: list[int]
-    replaced: list[dict] = field(default_factory=list)  # {"slot", "index", "path", "error", "replacement"}
+    # {"slot", "index", "path" (SampleReader.where), "error" (its reader's words), "replacement"}
+    replaced: list[dict] = field(default_factory=list)
     longest_bad_run: int = 0
 
 
@@ -71,7 +78,7 @@ class SampleProgress:
 
 
 _ADDED = {"label", "index", "valid"}  # what prefetchd adds to the fields a pipeline callable returns
-SPEC_VERSION = 2  # of producer.json: workers and `prefetchd verify` read it, perhaps another install's
+SPEC_VERSION = 3  # of producer.json: workers and `prefetchd verify` read it, perhaps another install's
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,9 @@ class ProducerSpec:
     decoder: str = "pillow"  # or "simplejpeg" (prefetchd.fastdecode)
     plan_digest: str = ""  # prefetchd.config.plan_digest
     image_columns: list = field(default_factory=list)  # per source: a Parquet source's image column, else ""
+    # per source: a WebDataset source's label_key (None: .cls labels, and for other kinds), to say
+    # why a sample has no label (version 3); None: not given, the message then names both ways
+    label_keys: list | None = None
     version: int = SPEC_VERSION
 
     def to_json(self) -> dict:
@@ -186,7 +196,7 @@ class BatchProducer:
         self.paths = JobPaths(Path(spec.job_dir))
         self.plan = Plan.from_json(spec.plan)
         self.index = SampleIndex.load(self.paths.dir / "index") if index is None else index
-        self.reader = SampleReader(self.index, spec.image_columns, self.plan.source_sizes)
+        self.reader = SampleReader(self.index, spec.image_columns, self.plan.source_sizes, spec.label_keys)
         if spec.pipeline:
             self._user_fn = load_callable(spec.pipeline)
             self._image = None
@@ -200,9 +210,19 @@ class BatchProducer:
         b = self.plan.batch_size
         if self._image is not None:
             return builtin_fields(b, self.spec.transforms, self.plan.evaluation)
-        # The user's code decides its fields: run it once on sample 0.
-        sample = self._run_user_fn(0, self.plan.sample_rng(0, 0))
-        return [FieldSpec(k, np.asarray(v).dtype.name, (b, *np.shape(v))) for k, v in sample.items()] + _id_fields(
+        # The user's code decides its fields: run it once on sample 0, or, where sample 0 is bad,
+        # on the sample that stands in for it in batch (0, 0): the plan's draw, so every worker,
+        # local or remote, learns the same shapes from the same sample.
+        samples: list[dict] = []
+
+        def learn_from(sid: int) -> None:
+            samples.append(self._run_user_fn(sid, self.plan.sample_rng(0, sid)))
+
+        try:
+            learn_from(0)
+        except Exception as exc:
+            self._stand_in(0, 0, 0, describe(exc, _CAUSE_CHARS), learn_from)
+        return [FieldSpec(k, np.asarray(v).dtype.name, (b, *np.shape(v))) for k, v in samples[0].items()] + _id_fields(
             b, self.plan.evaluation
         )
 
@@ -237,9 +257,9 @@ class BatchProducer:
                 run = 0
                 continue
             except Exception as exc:
-                error = f"{type(exc).__name__}: {exc}"[:_ERROR_CHARS]
+                error = describe(exc, _CAUSE_CHARS)
                 if self.spec.on_error == "fail":
-                    raise SampleError(f"sample {sid} ({self.reader.where(sid)}): {error}") from exc
+                    raise SampleError(f"sample {sid} ({self.reader.place(sid)}): {error}") from exc
             run += 1
             report.longest_bad_run = max(report.longest_bad_run, run)
             report.replaced.append(
@@ -248,7 +268,7 @@ class BatchProducer:
                     "index": sid,
                     "path": self.reader.where(sid),
                     "error": error,
-                    "replacement": self._replace(arrays, slot, epoch, sid, pass_),
+                    "replacement": self._replace(arrays, slot, epoch, sid, pass_, error),
                 }
             )
             if self.plan.evaluation:  # the stand-in is counted where it is itself: not here too
@@ -281,17 +301,44 @@ class BatchProducer:
         finally:
             self.progress.finished += 1  # an unreadable sample is progress too: the loop moves on
 
-    def _replace(self, arrays: dict[str, np.ndarray], slot: int, epoch: int, sid: int, pass_: int) -> int:
+    def _replace(self, arrays: dict[str, np.ndarray], slot: int, epoch: int, sid: int, pass_: int, cause: str) -> int:
+        """Make the sample that stands in for the unreadable ``sid`` (``cause``: why) in ``slot``."""
+        return self._stand_in(
+            epoch, sid, pass_, cause, lambda other: self._make_sample(arrays, slot, epoch, other, pass_)
+        )
+
+    def _stand_in(self, epoch: int, sid: int, pass_: int, cause: str, make: Callable[[int], None]) -> int:
+        """``make`` each replacement the plan draws for the unreadable sample ``sid`` until one
+        is made; its id. SampleError when none of _REPLACEMENT_ATTEMPTS is: it names each cause."""
+        failures: list[tuple[int, str]] = []
         for attempt in range(_REPLACEMENT_ATTEMPTS):
             other = self.plan.replacement(epoch, sid, pass_, attempt)
             try:
-                self._make_sample(arrays, slot, epoch, other, pass_)
+                make(other)
                 return other
-            except Exception:
-                continue
-        raise SampleError(
-            f"sample {sid} ({self.reader.where(sid)}) is unreadable and so were {_REPLACEMENT_ATTEMPTS} "
-            "replacements drawn for it; is the data folder readable?"
+            except Exception as exc:
+                failures.append((other, describe(exc, _CAUSE_CHARS)))
+        raise SampleError(self._unreadable(sid, cause, failures))
+
+    def _unreadable(self, sid: int, cause: str, failures: list[tuple[int, str]]) -> str:
+        """Why a sample could not be stood in for: its place and its reader's words, then those
+        of its replacements, once per kind of cause (causes that differ only in their numbers,
+        a row or an offset, are one kind: told by the first of it, with the samples alike)."""
+        kinds: dict[str, list[tuple[int, str]]] = {}
+        for other, why in failures:
+            kinds.setdefault(_DIGITS.sub("#", why), []).append((other, why))
+        told = []
+        for kind, alike in kinds.items():
+            ids = ", ".join(str(other) for other, _ in alike)
+            if kind == _DIGITS.sub("#", cause):
+                told.append(f"{len(alike)} for the same reason (samples {ids})")
+            else:
+                other, why = alike[0]
+                told.append(f"{len(alike)} as sample {other} ({self.reader.place(other)}): {why} (samples {ids})")
+        return (
+            f"sample {sid} ({self.reader.place(sid)}) is unreadable: {cause}; so were the "
+            f"{len(failures)} replacements drawn for it: {'; '.join(told)}. Fix what this says: {len(failures) + 1} "
+            "unreadable samples in a row point at the data, or at how it is read, not at one sample"
         )
 
     def meta(self, arrays: dict[str, np.ndarray], report: FillReport) -> dict:

@@ -6,6 +6,11 @@ pipe takes a Produce, runs prefetchd.raytask.make_batch as a Ray task, checks th
 back is that batch of this plan (its header, plan digest, layout, size and CRC) and publishes it
 into the node's tmpfs as a local worker does: written to ``tmp/``, linked into ``batches/``.
 
+The cluster's code runs here, in Ray's driver: the bridge joins only a cluster of the user's own
+(raycluster.resolve_address: ``auto`` never means another user's), and takes every result as
+RAW bytes past Ray's deserialiser (raycluster.get_plain), a JSON report checked field by field
+and a batch file checked byte by byte; nothing from the cluster is unpickled by prefetchd's code.
+
 Ray stays out of the master: a driver that loses its cluster may be ended by Ray itself, and
 then only this process goes. When the cluster can no longer run the tasks (its head gone, no
 alive node with the resources, a node that decodes otherwise), the bridge says why
@@ -22,6 +27,9 @@ import threading
 import time
 import traceback
 
+import numpy as np
+import psutil
+
 from prefetchd_client.batchfile import BatchFormatError, read_batch, write_batch_file
 
 from . import raycluster, raytask
@@ -32,6 +40,7 @@ from .worker import _die_with_the_master, _send, _send_heartbeats
 _NODE_CHECK_S = 2.0  # how often the bridge asks Ray whether a node can still run the tasks
 _LOST_AFTER_S = 10.0  # how long the cluster may be unusable before the bridge gives it up
 _TASK_SLACK_S = 60.0  # added to a whole batch's time before a task is cancelled as wedged
+_END_TIMEOUT_S = 10.0  # to end a private instance's processes, SIGKILLed: they are gone within milliseconds
 
 
 def bridge_main(spec_json: str, conns: list, nice: int, options: dict) -> None:
@@ -47,9 +56,10 @@ def bridge_main(spec_json: str, conns: list, nice: int, options: dict) -> None:
     except raycluster.RayBootError as exc:
         error = str(exc)
     except Exception as exc:  # the log gets the traceback; the start's message, its last line, says what failed
+        said = raycluster.reason_in_logs(options.get("ray_temp")) if options["address"] == "local" else None
         error = (
             f"{traceback.format_exc(limit=-4)}\nRay failed while the bridge connected and checked the nodes: "
-            f"{type(exc).__name__}: {raycluster.first_line(exc)}"
+            f"{type(exc).__name__}: {raycluster.first_line(exc)}" + (f" (Ray's own words: {said})" if said else "")
         )
     else:
         error = None
@@ -107,10 +117,54 @@ def _guard_private_instance():
     import subprocess
     import sys
 
-    import psutil
-
     started = [f"{p.pid}:{p.create_time()}" for p in psutil.Process().children(recursive=True)]
     return subprocess.Popen([sys.executable, "-c", _GUARD, *started], stdin=subprocess.PIPE, close_fds=True)
+
+
+def processes_using(folder: str) -> list[psutil.Process]:
+    """This user's processes that hold a file open under ``folder``: what Ray says its own
+    processes are. Every process of a Ray instance (GCS, raylet, its agents, its workers, the
+    driver) has its stdout and stderr in the session's logs/ from its first instruction; their
+    titles (ray::IDLE, ray::DashboardAgent) and parents (re-parented once the raylet dies) are
+    not to be trusted, a private folder of this user's is: no one else can open a file in it."""
+    prefix = os.path.join(os.path.realpath(os.path.dirname(folder)), os.path.basename(folder), "")  # not its link
+    uid, me, found = os.getuid(), os.getpid(), []
+    for p in psutil.process_iter(["uids"]):
+        uids = p.info["uids"]
+        if p.pid == me or uids is None or uids.real != uid:
+            continue
+        try:
+            fds = os.listdir(f"/proc/{p.pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{p.pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith(prefix):
+                found.append(p)
+                break
+    return found
+
+
+def end_processes_using(folder: str, timeout_s: float = _END_TIMEOUT_S) -> list[int]:
+    """SIGKILL every process of this user's that holds a file under ``folder`` (a private Ray
+    instance's: its agents ignore SIGTERM and outlive the raylet), until none is left or the
+    deadline; the pids that were ended."""
+    deadline, ended = time.monotonic() + timeout_s, []
+    while time.monotonic() < deadline:
+        left = processes_using(folder)
+        if not left:
+            break
+        for p in left:
+            try:
+                p.kill()  # psutil checks the pid still names the process it found
+                ended.append(p.pid)
+            except psutil.Error:
+                pass
+        psutil.wait_procs(left, timeout=max(0.0, min(2.0, deadline - time.monotonic())))
+    return ended
 
 
 class Bridge:
@@ -121,7 +175,7 @@ class Bridge:
         self.spec = ProducerSpec.from_json(json.loads(spec_json))
         self.local = BatchProducer(self.spec)  # this node's layout, and its fingerprint to match
         self.expected = self.local.fingerprint()
-        self.address = options["address"]
+        self.address = raycluster.resolve_address(options["address"])  # before Ray can resolve "auto" its own way
         self.demand = {"CPU": 1.0, **options["resources"]}
         self.timeout_s = options["worker_timeout"]
         self.deadline_s = options["worker_timeout"] * self.local.plan.batch_size + _TASK_SLACK_S
@@ -135,7 +189,10 @@ class Bridge:
         self.spec_ref = ray.put(spec_json)
         # One CPU and the custom resources each; no retries by Ray: a failed batch is the master's to reissue.
         as_task = ray.remote(num_cpus=1, resources=options["resources"], max_retries=0)
-        self.make, self.fingerprint = as_task(raytask.make_batch), as_task(raytask.fingerprint)
+        self.fingerprint = as_task(raytask.fingerprint)
+        self.make = ray.remote(num_cpus=1, resources=options["resources"], max_retries=0, num_returns=2)(
+            raytask.make_batch
+        )
         args = (spec_json, self.index_ref)
         raycluster.check_every_node(ray, self.fingerprint, self.demand, self.address, self.expected, args)
 
@@ -168,20 +225,22 @@ class Bridge:
 
     def _make(self, task: Produce, progress: SampleProgress) -> Done | Failed:
         e, k, r = task.epoch, task.step, task.rank
-        ref = self.make.remote(self.spec_ref, self.index_ref, self.expected, self.timeout_s, e, k, r)
+        refs = self.make.remote(self.spec_ref, self.index_ref, self.expected, self.timeout_s, e, k, r)
         deadline = time.monotonic() + self.deadline_s
         while True:
             try:
-                report_json, data = self.ray.get(ref, timeout=1.0)
-                report = json.loads(report_json)
+                report_bytes, data = raycluster.get_plain(self.ray, refs, timeout_s=1.0)
+                report = raycluster.task_report(report_bytes)
                 break
             except self.ray.exceptions.GetTimeoutError:
                 # Waiting on Ray is not a hang of this process: the task's own watchdog (raytask)
                 # ends a Ray worker that finishes no sample, and the deadline catches a wedged one.
                 progress.finished += 1
                 if time.monotonic() > deadline:
-                    self.ray.cancel(ref, force=True)
+                    self.ray.cancel(refs[0], force=True)
                     return Failed(e, k, r, f"the Ray task made no batch in {self.deadline_s:.0f} s", False, False)
+            except raycluster.NotPlainData as exc:  # not what prefetchd's task returns: refused unread
+                return Failed(e, k, r, f"on Ray: {raycluster.first_line(exc)}", False, False)
             except Exception as exc:  # the Ray worker died (killed, OOM, its watchdog), or the cluster went
                 return Failed(e, k, r, f"on Ray: {type(exc).__name__}: {raycluster.first_line(exc)}", False, False)
         if "mismatch" in report:
@@ -189,6 +248,7 @@ class Bridge:
             self.lose(raycluster.mismatch_text(there.get("host", "?"), raytask.decoder_facts(), there))
         if not report.get("ok"):
             return Failed(e, k, r, str(report.get("error")), bool(report.get("sample")), False)
+        data = np.frombuffer(data, np.uint8)  # a view of the RAW object in Ray's store: no copy
         why = not_this_batch(data, (e, k, r), self.local.layout, self.spec)
         if why is not None:
             return Failed(e, k, r, f"a batch from Ray is not e{e} s{k} r{r} of this job ({why})", False, False)

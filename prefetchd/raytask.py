@@ -1,9 +1,12 @@
 """What runs on a Ray node: make one batch in memory, for the bridge (prefetchd.raybridge).
 
 Imported by Ray's worker processes by name (prefetchd must be installed on every node), and
-free of Ray itself: the bridge wraps these functions as tasks. Arguments and results are
-plain data: the spec as JSON text, the index as three numpy arrays, integers; a result is a
-JSON report and the batch file's bytes, which the bridge checks before anything publishes them.
+free of Ray itself: the bridge wraps these functions as tasks. Arguments are plain data: the
+spec as JSON text, the index as numpy arrays, integers. Results are ``bytes`` and nothing else:
+Ray stores a task's ``bytes`` as a RAW object, which the bridge reads as those bytes without
+Ray's deserialiser (anything else would be unpickled there); make_batch returns two of them
+(its JSON report, the batch file), which the bridge checks field by field and byte by byte
+before anything publishes them.
 
 A Ray worker process builds its BatchProducer once per plan and, before its first batch,
 checks that it decodes and augments as the trainer's node does (``fingerprint``): a node with
@@ -60,32 +63,33 @@ def decoder_facts() -> dict:
     return facts
 
 
-def fingerprint(spec_json: str, index: tuple) -> tuple[str, dict]:
-    """This node's fingerprint of the job's first samples, and its decoder facts."""
-    return _producer(spec_json, index).fingerprint(), decoder_facts()
+def fingerprint(spec_json: str, index: tuple) -> bytes:
+    """This node's fingerprint of the job's first samples, and its decoder facts, as JSON
+    ``{"fingerprint": str, "facts": {name: version}}``."""
+    return json.dumps({"fingerprint": _producer(spec_json, index).fingerprint(), "facts": decoder_facts()}).encode()
 
 
 def make_batch(spec_json: str, index: tuple, expected: str, timeout_s: float, epoch: int, step: int, rank: int):
-    """Batch (epoch, step, rank): (report as JSON text, the file's bytes as a uint8 array).
+    """Batch (epoch, step, rank): (its report as JSON, the batch file), both ``bytes``.
 
     A report ``{"ok": true, "per_source", "replaced", "longest_bad_run"}``, or ``{"ok": false,
     "error", "sample"}`` (a sample unreadable under on_error = "fail", or any other failure),
     or ``{"ok": false, "mismatch": {...}}`` when this node decodes otherwise than the trainer's.
     """
-    empty = np.zeros(0, np.uint8)
+    empty = b""
     try:
         producer = _producer(spec_json, index)
         if getattr(producer, "checked_against", None) != expected:
             mine = producer.fingerprint()
             if mine != expected:
-                return json.dumps({"ok": False, "mismatch": {"fingerprint": mine, **decoder_facts()}}), empty
+                return _report({"ok": False, "mismatch": {"fingerprint": mine, **decoder_facts()}}), empty
             producer.checked_against = expected
         _watch(producer, timeout_s)
         data, report = producer.make_in_memory(epoch, step, rank)
     except SampleError as exc:
-        return json.dumps({"ok": False, "sample": True, "error": str(exc)}), empty
+        return _report({"ok": False, "sample": True, "error": str(exc)}), empty
     except Exception:
-        return json.dumps({"ok": False, "sample": False, "error": traceback.format_exc(limit=-4)}), empty
+        return _report({"ok": False, "sample": False, "error": traceback.format_exc(limit=-4)}), empty
     finally:
         _watching.clear()
     summary = {
@@ -94,7 +98,11 @@ def make_batch(spec_json: str, index: tuple, expected: str, timeout_s: float, ep
         "replaced": report.replaced,
         "longest_bad_run": report.longest_bad_run,
     }
-    return json.dumps(summary), np.frombuffer(data, np.uint8)
+    return _report(summary), bytes(data)  # bytes, not a buffer or an array: Ray stores bytes RAW
+
+
+def _report(report: dict) -> bytes:
+    return json.dumps(report).encode()
 
 
 def _producer(spec_json: str, index: tuple) -> BatchProducer:

@@ -268,8 +268,9 @@ SETTINGS: tuple[Setting, ...] = (
     ),
     Setting(
         "daemon", "ray_address", (str,),
-        help="with --executor ray: auto (the cluster `ray start` made here, or $RAY_ADDRESS), HOST:PORT, or local "
-        "(a private Ray instance, for trying it out)",
+        help="with --executor ray: auto ($RAY_ADDRESS, else the cluster whose raylet runs here as you; never another "
+        "user's), HOST:PORT, or local (a private Ray instance in the job folder, for trying it out). Joining a "
+        "cluster runs code it sends as you: use only a cluster of your own",
         default="auto",
         rules=((lambda v: v != "" and v.isprintable(), "auto, local or HOST:PORT"),),
         metavar="ADDRESS",

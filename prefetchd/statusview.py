@@ -4,10 +4,15 @@ Both read the status reports the CLI fetched (prefetchd.status builds them in th
 a job that is not serving has only ``job``, ``state``, ``job_dir`` and maybe ``error``), so
 what a person sees is what ``--json`` prints. A reply that is not what a daemon of ours sends
 shows as such, never as a traceback.
+
+Every string of a report is data (a stop reason quotes file names and a reader's words; a
+reply or stopped.json may come from a peer): each is made printable (prefetchd_client.text)
+before it is shown, and shown as rich Text, never read as markup.
 """
 
 from __future__ import annotations
 
+import reprlib
 import time
 from collections.abc import Callable
 
@@ -18,19 +23,37 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from prefetchd_client.text import printable
+
 from .errors import ExitCode
 from .sizes import format_size
 
 WATCH_INTERVAL_S = 1.0
 _BAR_WIDTH = 20
+_MAX_REPORT_DEPTH = 16  # a report of ours nests 5 deep; a hostile reply may nest ~1,000 (json's limit)
+_MAX_SHOWN_CHARS = 10_000  # of one string: a daemon's stop reason is at most 8,192 (prefetchd.errors)
 
 
 def render(s: dict, live: bool = False):
     """One job's report as rich renderables; ``live`` adds the watch view's bars and worker rows."""
     try:
-        return Group(*_job(s, live))
+        return Group(*_job(_printable_report(s), live))
     except (KeyError, TypeError, ValueError, AttributeError, IndexError):  # a daemon of ours never answers so
-        return Text(f"  the daemon's status reply is not what prefetchd sends: {repr(s)[:200]}")
+        # reprlib: a few items of a few levels, whatever the reply holds (repr would recurse into all of it)
+        return Text(f"  the daemon's status reply is not what prefetchd sends: {printable(reprlib.repr(s), 200)}")
+
+
+def _printable_report(value, depth: int = 0):
+    """``value`` with every string in it, keys included, made printable (prefetchd_client.text)."""
+    if isinstance(value, str):
+        return printable(value, _MAX_SHOWN_CHARS)
+    if depth > _MAX_REPORT_DEPTH:
+        raise ValueError("the status reply nests deeper than any of ours")
+    if isinstance(value, dict):
+        return {printable(k, _MAX_SHOWN_CHARS): _printable_report(v, depth + 1) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_printable_report(v, depth + 1) for v in value]
+    return value
 
 
 def watch(fetch: Callable[[], list[dict]], console: Console, interval_s: float = WATCH_INTERVAL_S) -> None:
@@ -105,7 +128,7 @@ def _ranks_table(s: dict, live: bool) -> Table:
         if live:  # the rank's share of the window that is ready
             row.append(ProgressBar(total=max(1, window), completed=rk["ready"], width=_BAR_WIDTH))
         row += [str(rk["ready"]), str(rk["in_flight"]), str(rk["consumed"]), age, *_wait_cells(rk.get("wait"))]
-        table.add_row(*row)
+        table.add_row(*(Text(cell) if isinstance(cell, str) else cell for cell in row))  # a str cell is markup
     return table
 
 
@@ -126,5 +149,5 @@ def _workers_table(w: dict) -> Table:
     for each in w["each"]:
         task = each["task"]
         state = "booting" if not each["ready"] else ("busy" if task is not None else "idle")
-        table.add_row(str(each["pid"]), each["kind"], state, task or "")
+        table.add_row(*map(Text, (str(each["pid"]), str(each["kind"]), state, str(task or ""))))
     return table

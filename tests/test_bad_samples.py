@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,9 +16,12 @@ from prefetchd import control
 from prefetchd.datagen import make_image_folder
 from prefetchd_client import DaemonDied, PrefetchLoader
 from prefetchd_client.batchfile import map_batch
+from prefetchd_client.layout import JobPaths
 
 from .conftest import cli, start_job, wait_until, write_config
 from .helpers import read_epoch
+from .test_parquet import HF_IMAGE, jpegs, pa, pq
+from .test_shards import jpeg, write_shard
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -81,7 +86,7 @@ def test_on_error_fail_stops_naming_the_file(tmp_path, job_root):
     paths = start_job(cfg, "--on-error", "fail")
     # A trainer that connects after the daemon stopped is told why, as one that waited is.
     wait_until(lambda: "ERROR stopped" in paths.log.read_text(), timeout_s=30, what="daemon stopped")
-    with pytest.raises(DaemonDied, match=f"cannot read a sample: sample \\d+ \\({victim}\\)"):
+    with pytest.raises(DaemonDied, match=f"cannot read a sample: sample \\d+ \\(file {victim}\\): UnidentifiedImage"):
         next(iter(PrefetchLoader("job", as_tensors=False, timeout=30)))
     # The tmpfs is freed; the log that says why stays until `prefetchd stop` clears it.
     assert sorted(p.name for p in paths.dir.iterdir()) == ["daemon.lock", "daemon.log", "stopped.json"]
@@ -146,3 +151,75 @@ def test_many_bad_samples_with_long_paths_fit_the_header(tmp_path, job_root):
         replaced = {str(files[r["index"]]) for m in metas[2 * epoch : 2 * epoch + 2] for r in m["replaced"]}
         assert replaced == bad
     assert all(path in log for path in bad)
+
+
+def stopped_job(config: Path, name: str = "job") -> tuple[str, JobPaths]:
+    """Start a job whose daemon stops on its own soon; its stop reason, as `start` printed it
+    (the daemon stopped during start-up) or as stopped.json has it (it stopped after)."""
+    result = cli("start", str(config))
+    paths = JobPaths.of(name)
+    if result.returncode == 0:
+        wait_until(lambda: paths.stopped.exists(), timeout_s=30, what="the daemon stopped")
+        return json.loads(paths.stopped.read_text())["message"], paths
+    return result.stderr, paths
+
+
+def hf_parquet(path: Path, images: list[bytes | None]) -> Path:
+    """A Hugging Face Image column as `datasets` writes it; a None image is a struct whose bytes
+    are null and whose path is set, as ``Dataset.from_dict({"image": paths}).cast_column("image",
+    Image())`` leaves it without embedding the files."""
+    rows = [{"bytes": b, "path": f"/home/me/img{i}.jpg"} for i, b in enumerate(images)]
+    table = pa.table({"image": pa.array(rows, HF_IMAGE), "label": pa.array([i % 3 for i in range(len(rows))])})
+    pq.write_table(table, path)
+    return path
+
+
+def test_a_parquet_file_of_unembedded_images_stops_with_the_readers_words_and_the_rows_place(tmp_path, job_root):
+    """issue 24 finding 4: the daemon stopped with "is the data folder readable?"; what the reader
+    said (a null image) was swallowed by the replacement loop, and nowhere to be read."""
+    data = hf_parquet(tmp_path / "train.parquet", [None] * 40)
+    config = write_config(tmp_path, tmp_path, batch_size=8, source=f'kind = "parquet"\npath = "{data}"')
+    message, paths = stopped_job(config)
+    cause = re.compile(rf"ValueError: {re.escape(str(data))}: null image in column 'image' \(row group 0, row \d+\)")
+    place = re.compile(rf"sample \d+ \(Parquet file {re.escape(str(data))} row group 0 row \d+\)")
+    assert cause.search(message) and place.search(message), message
+    assert "data folder readable" not in message
+    stopped = json.loads(paths.stopped.read_text())
+    assert stopped["exit_code"] == 6 and cause.search(stopped["message"]) and place.search(stopped["message"])
+    log = paths.log.read_text()
+    assert cause.search(log) and place.search(log), log
+    with pytest.raises(DaemonDied, match=r"null image in column 'image'"):
+        next(iter(PrefetchLoader("job", as_tensors=False, timeout=30)))
+    # The ten replacements' causes are told once each, not ten times: they differ only by row.
+    assert message.count("null image") <= 3, message
+    assert len(message) < 2000
+    print(f"\n[figure] 40 null images: stop message of {len(message)} chars: {message[:400]}")
+    assert cli("stop", "job").returncode == 0
+
+
+def test_a_few_null_images_among_good_rows_are_recorded_each_with_its_cause(tmp_path, job_root):
+    images = jpegs(24, seed=3)
+    bad = {3, 10, 17}
+    data = hf_parquet(tmp_path / "train.parquet", [None if i in bad else b for i, b in enumerate(images)])
+    config = write_config(tmp_path, tmp_path, batch_size=4, source=f'kind = "parquet"\npath = "{data}"')
+    paths = start_job(config)
+    batches = read_epoch("job", with_meta=True, batch_size=4)
+    log = paths.log.read_text()
+    replaced = {r["index"]: r for b in batches for r in b.meta["replaced"]}
+    assert sorted(replaced) == sorted(bad)
+    for i, record in replaced.items():
+        assert record["error"] == f"ValueError: {data}: null image in column 'image' (row group 0, row {i})"
+        assert record["path"] == f"Parquet file {data} row group 0 row {i}"
+        assert f"(Parquet file {data} row group 0 row {i}): {record['error']}" in log
+    assert cli("stop", "job").returncode == 0
+
+
+def test_shards_labelled_by_json_without_label_key_stop_saying_so(tmp_path, job_root):
+    samples = [{"jpg": jpeg(i), "json": json.dumps({"label": i % 2}).encode()} for i in range(16)]
+    shard = write_shard(tmp_path / "s.tar", samples)
+    config = write_config(tmp_path, tmp_path, batch_size=4, source=f'kind = "webdataset"\nurls = "{shard}"')
+    message, paths = stopped_job(config)
+    assert re.search(rf"sample \d+ \(shard {re.escape(str(shard))} member \d+\.jpg\)", message), message
+    assert "label_key" in message and ".json" in message, message
+    assert "label_key" in paths.log.read_text()
+    assert cli("stop", "job").returncode == 0

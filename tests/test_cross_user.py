@@ -28,7 +28,8 @@ from prefetchd_client.layout import JobPaths
 from .conftest import SHM, cli, daemon_family, wait_pids_gone, wait_until, write_config
 from .crossusers import ALICE, MALLORY, no_traceback, read_line
 
-pytestmark = pytest.mark.timeout(120)
+# One xdist worker for all of them: they share the two users and alice's default root.
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("cross_user")]
 
 # mallory's side: a job in alice's (future) default root, readable by alice, whose manifest
 # names mallory's socket and an unrelated process of alice's, with a batch (labels all 3,

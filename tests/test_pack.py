@@ -7,6 +7,9 @@ import io
 import json
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -18,7 +21,7 @@ from prefetchd.datagen import make_image, make_image_folder
 from prefetchd.errors import ExitCode
 from prefetchd.sources import scan_image_folder
 
-from .conftest import cli
+from .conftest import cli, wait_until
 
 wds = pytest.importorskip("webdataset")
 
@@ -180,3 +183,166 @@ def test_no_readable_sample_fails_and_leaves_nothing(tmp_path):
     for out, kept in ((tmp_path / "new", False), (tmp_path / "empty", True)):
         assert_clean_failure(pack(tmp_path / "list.txt", out), ExitCode.DATA, "none of its 1 samples")
         assert out.exists() == kept and (not kept or os.listdir(out) == [])
+
+
+def modes(*paths: Path) -> list[int]:
+    return [p.stat().st_mode & 0o7777 for p in paths]
+
+
+@pytest.mark.parametrize(
+    "flags, file_mode, dir_mode", [((), 0o600, 0o700), (("--mode", "644"), 0o644, 0o755)], ids=["default", "644"]
+)
+def test_files_are_private_and_new_folders_too_unless_mode_shares_them(folder, tmp_path, flags, file_mode, dir_mode):
+    out = tmp_path / "new" / "parent" / "out"
+    manifest = packed(folder, out, *flags)
+    files = [out / "pack.json", *(out / s["name"] for s in manifest["shards"])]
+    assert modes(*files) == [file_mode] * len(files)
+    assert modes(out, out.parent, out.parent.parent) == [dir_mode] * 3  # each folder pack made
+    assert modes(tmp_path) == [0o700]  # ... and none it did not
+
+
+@pytest.mark.parametrize(
+    "mode, phrase",
+    [
+        ("666", "lets other users write"),
+        ("620", "lets other users write"),
+        ("4644", "no setuid"),
+        ("-600", "is not an octal mode"),
+        ("755", "no x bit"),
+        ("044", "you must be able to read and write"),
+        ("rw-r--r--", "is not an octal mode"),
+        ("6\x1b[2J44", "'6\\x1b[2J44' is not an octal mode"),  # shown escaped, never sent to the terminal
+        # Python's int() reads these as 644 too; a mode is ASCII octal digits (0o allowed), nothing else
+        ("\u096c\u096a\u096a", "is not an octal mode"),  # Devanagari 644
+        ("6_44", "is not an octal mode"),
+        ("+644", "is not an octal mode"),
+        ("0x1a4", "is not an octal mode"),
+    ],
+)
+def test_a_mode_that_opens_the_pack_to_writes_or_is_no_mode_is_a_config_error(folder, tmp_path, mode, phrase):
+    assert_clean_failure(pack(folder, tmp_path / "out", "--mode", mode), ExitCode.CONFIG, "--mode", phrase)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["writable by others", "a symlink", "under a folder others can write"])
+def test_an_out_dir_others_could_swap_is_refused_and_left_alone(folder, tmp_path, case):
+    target = tmp_path / "target"
+    target.mkdir()
+    if case == "writable by others":
+        out, phrase = target, "is writable by others"
+        target.chmod(0o777)
+    elif case == "a symlink":
+        out, phrase = tmp_path / "link", "is a symlink"
+        out.symlink_to(target)
+    else:
+        out, phrase = target / "out", "lies under"
+        target.chmod(0o777)
+    assert_clean_failure(pack(folder, out), ExitCode.USER, "output folder", phrase)
+    assert os.listdir(target) == []
+
+
+def test_a_failed_pack_removes_the_folders_it_made_and_no_other(tmp_path):
+    (tmp_path / "junk.jpg").write_bytes(b"junk")
+    (tmp_path / "list.txt").write_text("junk.jpg,0\n")
+    (tmp_path / "mine").mkdir()
+    out = tmp_path / "mine" / "new" / "deeper" / "out"
+    assert_clean_failure(pack(tmp_path / "list.txt", out), ExitCode.DATA, "none of its 1 samples")
+    assert os.listdir(tmp_path / "mine") == []
+
+
+def test_ctrl_c_while_packing_leaves_nothing_behind(tmp_path):
+    images = make_image_folder(tmp_path / "data", classes=1, per_class=4, size=(64, 96))
+    (tmp_path / "list.txt").write_text("".join(f"{p},0\n" for p in sorted(images.rglob("*.jpg")) * 1000))
+    out = tmp_path / "out"
+    flags = ("--workers", "1", "--max-short-side", "16", "--shard-size", "64K")
+    proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "pack", str(tmp_path / "list.txt"), str(out), *flags])
+    try:
+        wait_until(lambda: (out / ".partial" / "shard-000001.tar").exists(), timeout_s=60, what="a second shard")
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not out.exists()
+
+
+def _family(pid: int) -> set[int]:
+    """Every process below ``pid`` (its fork server, the workers, the resource tracker)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as f:
+                    parents[int(entry)] = int(f.read().rpartition(b")")[2].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    family, grew = set(), True
+    while grew:
+        more = {p for p, parent in parents.items() if (parent == pid or parent in family) and p not in family}
+        family |= more
+        grew = bool(more)
+    return family
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] != b"Z"  # a zombie has exited
+    except OSError:
+        return False
+
+
+def test_a_pack_killed_with_sigkill_leaves_no_process_and_the_next_pack_says_what_is_left(tmp_path):
+    """Attack of issue 24's pack: kill -9 of a pack with --workers 2 left its fork server and both
+    workers alive for good (they hold their own pipes open: no EOF ever ends them), and a second
+    pack into the folder said only "not empty"."""
+    images = make_image_folder(tmp_path / "data", classes=1, per_class=4, size=(64, 96))
+    (tmp_path / "list.txt").write_text("".join(f"{p},0\n" for p in sorted(images.rglob("*.jpg")) * 2000))
+    out = tmp_path / "out"
+    flags = ("--workers", "2", "--shard-size", "64K")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefetchd", "pack", str(tmp_path / "list.txt"), str(out), *flags],
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(lambda: (out / ".partial" / "shard-000001.tar").exists(), timeout_s=60, what="a second shard")
+        family = _family(proc.pid)
+        assert len(family) >= 3, family  # the fork server and two workers at least
+        proc.kill()
+        proc.wait()
+        wait_until(lambda: not any(_alive(p) for p in family), timeout_s=10, what="the pack's processes to end")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    again = pack(tmp_path / "list.txt", out)
+    assert_clean_failure(again, ExitCode.USER, "not empty", ".partial", "did not finish", f"rm -r {out}")
+    assert os.listdir(out) == [".partial"]  # looked at, not touched
+
+
+def test_a_full_file_system_is_the_users_error_and_leaves_nothing(small_tmpfs, tmp_path):
+    """Attack of issue 24's pack: ENOSPC was "internal error while packing: OSError: [Errno 28]",
+    exit 70. It is the place, not a bug: the message names the folder and what to do."""
+    images = make_image_folder(tmp_path / "data", classes=1, per_class=4, size=(64, 96))
+    (tmp_path / "list.txt").write_text("".join(f"{p},0\n" for p in sorted(images.rglob("*.jpg")) * 400))
+    out = small_tmpfs / "out"
+    result = pack(tmp_path / "list.txt", out, "--workers", "1", "--shard-size", "64K")
+    assert_clean_failure(result, ExitCode.USER, f"output folder {out}", "no space left", "free space")
+    assert os.listdir(small_tmpfs) == []
+
+
+def test_a_shared_sticky_folder_as_out_dir_is_refused_without_advice_to_chmod_it(folder):
+    """Root owns /dev/shm, so for root it passed the owner check and was refused as "writable by
+    others ... run chmod go-w /dev/shm": advice that breaks every other user of the node."""
+    result = pack(folder, Path("/dev/shm"))
+    if os.getuid() == 0:
+        assert_clean_failure(result, ExitCode.USER, "/dev/shm", "a folder of your own inside it")
+    assert "chmod" not in result.stderr, result.stderr
+
+
+def test_the_file_system_root_as_out_dir_is_refused_for_what_it_is(folder):
+    """It was "cannot create output folder /: No such file or directory" (mkdir of "")."""
+    result = pack(folder, Path("/"))
+    assert_clean_failure(result, ExitCode.USER, "output folder /", "not empty" if os.getuid() == 0 else "uid 0")
+    assert "No such file" not in result.stderr

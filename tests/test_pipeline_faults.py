@@ -108,3 +108,76 @@ def test_a_slow_but_progressing_worker_is_not_killed(tmp_path, jpeg_folder, job_
     finally:
         loader.close()
     assert job_status(paths)["workers"]["restarts"] == 0, paths.log.read_text()
+
+
+def test_a_bad_first_sample_is_replaced_when_the_batch_shapes_are_learnt(tmp_path, jpeg_folder, job_root, monkeypatch):
+    """issue 24 finding 9: the callable runs on sample 0 to learn the batch's shapes, and a bad
+    sample 0 stopped `start` (exit 5, "a worker could not start: ValueError: ..."). Now it is
+    replaced there as in a batch: the same draw, so every worker learns the same shapes, and the
+    batches are those of a job where sample 0 alone is replaced."""
+    bad = "if i == 0: raise ValueError('the sample has no label')"
+    runs = {}
+    for workers in (1, 3):
+        config = job_with(tmp_path, jpeg_folder, monkeypatch, bad, name=f"bad{workers}")
+        paths = start_job(config, "--workers", str(workers))
+        runs[workers] = read_epoch(f"bad{workers}", epochs=2, with_meta=True, timeout=60)
+        assert cli("stop", f"bad{workers}").returncode == 0, paths
+    assert digests(runs[1]) == digests(runs[3])
+    start_job(job_with(tmp_path, jpeg_folder, monkeypatch, "pass", name="good"))
+    good = read_epoch("good", epochs=2, timeout=60)
+    # Each sample's values are keyed by (seed, epoch, sample): a stand-in carries its own.
+    made = {
+        (b.epoch, i): (b.arrays["pixels"][s], b.arrays["aux"][s]) for b in good for s, i in enumerate(b.arrays["index"])
+    }
+    records = [r for b in runs[1] for r in b.meta["replaced"]]
+    assert [r["index"] for r in records] == [0, 0]  # once an epoch
+    assert all(r["error"] == "ValueError: the sample has no label" for r in records)
+    for b in runs[1]:
+        assert 0 not in b.arrays["index"].tolist()
+        for s, i in enumerate(b.arrays["index"].tolist()):
+            pixels, aux = made[(b.epoch, i)]
+            assert (b.arrays["pixels"][s] == pixels).all() and (b.arrays["aux"][s] == aux).all()
+    assert [r["replacement"] for r in records] == [
+        int(b.arrays["index"][r["slot"]]) for b in runs[1] for r in b.meta["replaced"]
+    ]
+
+
+def test_a_callable_that_fails_on_every_sample_stops_start_with_its_words(tmp_path, jpeg_folder, job_root, monkeypatch):
+    config = job_with(tmp_path, jpeg_folder, monkeypatch, "raise ValueError(f'cannot decode sample {i}')")
+    result = cli("start", str(config))
+    assert result.returncode == 5, result.stderr
+    assert "ValueError: cannot decode sample 0" in result.stderr, result.stderr
+    assert "10 replacements" in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("raised", ["SystemExit(3)", "KeyboardInterrupt('stop')", "GeneratorExit('gen')"])
+def test_an_exit_raised_by_the_callable_is_a_bad_sample_with_its_words(
+    tmp_path, jpeg_folder, job_root, monkeypatch, raised
+):
+    """Attack of issue 24 finding 4: these are no Exception, so `except Exception` let them end
+    the worker; it died 5 times and the daemon stopped (exit 7) saying only "a [pipeline]
+    callable that exits", never what it raised. The worker ignores SIGINT (the master decides),
+    so a KeyboardInterrupt there is the callable's own."""
+    name = "exit" + raised[0].lower()
+    start_job(job_with(tmp_path, jpeg_folder, monkeypatch, f"if i == 5: raise {raised}", name=name))
+    records = [r for b in read_epoch(name, with_meta=True, timeout=60) for r in b.meta["replaced"]]
+    kind = raised.partition("(")[0]
+    assert [r["index"] for r in records] == [5], records
+    assert f"pipe_{name}:make raised {kind}" in records[0]["error"], records
+
+
+def test_a_cause_with_newlines_and_escapes_travels_as_one_line(tmp_path, jpeg_folder, job_root, monkeypatch):
+    """Attack of issue 24 finding 4: a cause is one line wherever it goes. A newline in it forged
+    a line of daemon.log, and in a stop it cut the message: the worker's error travels as its
+    last line, so `start` said "a worker could not start: <the cause's last line>", without
+    the sample or its place. Control characters and unpaired surrogates are shown escaped."""
+    cause = r"raise ValueError(f'{i}\nforged line\x1b[2J\udcff')"
+    paths = start_job(job_with(tmp_path, jpeg_folder, monkeypatch, f"if i == 5: {cause}", name="oneline"))
+    records = [r for b in read_epoch("oneline", with_meta=True, timeout=60) for r in b.meta["replaced"]]
+    assert [r["error"] for r in records] == [r"ValueError: 5\nforged line\x1b[2J\udcff"], records
+    lines = [line for line in paths.log.read_text(errors="replace").splitlines() if "forged line" in line]
+    assert len(lines) == 1 and "bad sample 5" in lines[0], lines
+    result = cli("start", str(job_with(tmp_path, jpeg_folder, monkeypatch, cause, name="oneline_stop")))
+    assert result.returncode == 5, result.stderr
+    assert "sample 0 (file " in result.stderr, result.stderr
+    assert r"ValueError: 0\nforged line\x1b[2J\udcff" in result.stderr, result.stderr

@@ -157,8 +157,17 @@ def test_a_long_run_of_unreadable_samples_stops_at_once():
     with pytest.raises(DaemonStop) as stop:
         budget.add_batch(128, replaced(64), longest_bad_run=64)
     assert stop.value.exit_code == ExitCode.BAD_DATA
-    assert str(stop.value) == f"64 unreadable samples in a row (the last: /data/63.jpg); is the data intact? see {LOG}"
+    assert str(stop.value) == (
+        f"64 unreadable samples in a row (the last: /data/63.jpg: not an image); is the data intact? see {LOG}"
+    )
     assert (budget.samples, budget.bad) == (256, 127)
+
+
+def test_a_long_run_recorded_in_the_short_form_still_stops_with_what_it_has():
+    budget = BadSampleBudget(max_rate=1.0, log=LOG)
+    short_form = [{"slot": i, "index": i, "replacement": i + 1} for i in range(64)]  # no path, no error
+    with pytest.raises(DaemonStop, match=r"64 unreadable samples in a row \(the last: \?\)"):
+        budget.add_batch(128, short_form, longest_bad_run=64)
 
 
 def test_the_rate_is_judged_only_over_enough_samples():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import shutil
 import subprocess
@@ -13,10 +14,13 @@ import sys
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.errors import PlanMismatch
-from prefetchd_client.layout import parse_batch_name
+from prefetchd_client.layout import MAX_RANK, parse_batch_name
+from prefetchd_client.ranks import format_ranks, parse_ranks
 
 from .conftest import cli, start_job, wait_until, write_config
 from .helpers import job_status
@@ -153,3 +157,93 @@ def test_a_checkpoint_of_two_nodes_resumes_elastically_on_two_nodes_of_another_w
     seen = sum((ids for ids, _ in before), []) + sum(after, [])
     assert sorted(seen) == list(range(48)), "a sample was lost or repeated across nodes and world sizes"
     assert len(after[0]) == len(after[1]) == (48 - 16) // 2  # ranks equal; resumed at global step 2
+
+
+# -- the --ranks grammar (issue 24, finding 12) -----------------------------------------------
+# ' 1' and '1-1' were accepted while '1 - 3', '1 ,2' (a blank before a dash or a comma) and
+# others were refused, and '1\n' or '\xa01' (any Unicode space, as str.strip saw it) passed.
+# The grammar now (prefetchd_client.ranks): blanks (space, tab) around every item and dash,
+# nothing else; a range of one rank everywhere. A reference of it as a regular expression:
+
+_BLANK, _NUMBER = "[ \t]*", "([0-9]{1,8})"
+_ITEM = f"{_BLANK}{_NUMBER}{_BLANK}(?:-{_BLANK}{_NUMBER}{_BLANK})?"
+
+
+def _reference_ranks(text: str) -> tuple[int, ...] | None:
+    """What the grammar says ``text`` is: its ranks, sorted, or None for a refusal."""
+    if re.fullmatch(f"{_ITEM}(?:,{_ITEM})*", text) is None:
+        return None
+    ranks: list[int] = []
+    for item in text.split(","):
+        low, high = re.fullmatch(_ITEM, item).groups()
+        low, high = int(low), int(high or low)
+        if high < low or high > MAX_RANK:
+            return None
+        ranks += range(low, high + 1)
+    return tuple(sorted(ranks)) if len(set(ranks)) == len(ranks) else None
+
+
+def _check_against_the_grammar(text: str) -> None:
+    expected = _reference_ranks(text)
+    if expected is None:
+        with pytest.raises(ValueError) as refused:
+            parse_ranks(text)
+        assert repr(text[:60]) in str(refused.value), f"the refusal does not show the value: {refused.value}"
+    else:
+        assert parse_ranks(text) == expected
+        assert parse_ranks(format_ranks(expected)) == expected
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (" 1", (1,)),
+        ("1 ", (1,)),
+        ("1-1", (1,)),
+        (" 1 - 1 ", (1,)),
+        ("1 - 3", (1, 2, 3)),
+        ("1 ,2", (1, 2)),
+        ("\t0-1,\t3 ", (0, 1, 3)),
+        ("0003-0004", (3, 4)),
+        (f"{MAX_RANK}-{MAX_RANK}", (MAX_RANK,)),
+    ],
+)
+def test_ranks_blanks_anywhere_and_ranges_of_one_rank_are_accepted(text, expected):
+    assert parse_ranks(text) == expected
+    _check_against_the_grammar(text)
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["1\n", "\n1", "\xa01", "1\u20032", "1 2", "1-2-3", "+1", "1,", ",1", "1-", "-", "1_0", "0x1", "１", "1.0", " "],
+)
+def test_ranks_outside_the_grammar_are_refused_showing_the_value(text):
+    _check_against_the_grammar(text)
+
+
+_RANKS_ALPHABET = "0123456789-, \t\n+\xa0٣²x"
+_numbers = st.integers(0, MAX_RANK + 3).map(str) | st.integers(0, 99).map(lambda n: f"{n:04d}")
+_blanks = st.text(" \t", max_size=2)
+_items = st.tuples(_blanks, _numbers, _blanks, st.none() | st.tuples(_blanks, _numbers, _blanks)).map(
+    lambda t: f"{t[0]}{t[1]}{t[2]}" + ("" if t[3] is None else "-" + "".join(t[3]))
+)
+
+
+@settings(max_examples=250, deadline=None)
+@given(st.lists(_items, min_size=1, max_size=4).map(",".join) | st.text(_RANKS_ALPHABET, max_size=16) | st.text())
+def test_every_ranks_string_is_read_as_the_grammar_says_or_refused_naming_it(text):
+    _check_against_the_grammar(text)
+
+
+def test_a_daemon_serves_the_ranks_of_an_odd_but_valid_ranks_value_and_refuses_a_newline(
+    job_root, jpeg_folder, tmp_path
+):
+    config = write_config(tmp_path, jpeg_folder, world_size=WORLD, batch_size=2)
+    refused = cli("start", str(config), "--ranks", "1\n")
+    assert refused.returncode == 2, refused.stderr  # CONFIG: a flag's value is invalid
+    assert "--ranks" in refused.stderr and r"'1\n'" in refused.stderr and "Traceback" not in refused.stderr
+    assert not any(job_root.iterdir())
+    paths = start_job(config, "--ranks", " 3 - 3 , 1 ")
+    assert [r["rank"] for r in job_status(paths)["ranks"]] == [1, 3]
+    shown = cli("status", "job")
+    assert shown.returncode == 0 and "ranks 1,3 of 4" in shown.stdout, shown.stdout

@@ -1,8 +1,17 @@
 """Errors the client raises. Each message says what went wrong and how to fix it."""
 
+from .text import printable
+
 
 class PrefetchError(RuntimeError):
-    """Base class of every error the client raises on purpose."""
+    """Base class of every error the client raises on purpose.
+
+    Its message is made printable (prefetchd_client.text) here, once for every kind: messages
+    quote file names, a daemon's stop reason and a manifest's values, which are data, and a
+    trainer's log or terminal shows them."""
+
+    def __init__(self, message: object = "", *args: object):
+        super().__init__(printable(message), *args)
 
 
 class JobNotRunning(PrefetchError):

@@ -1,12 +1,24 @@
 """Which ranks a daemon serves: ``--ranks 8-15`` on the node of ranks 8 to 15 of a world of 16.
 
 Read from a flag or a config (the daemon) and from the manifest (the client), written into
-messages as ``0-3,8``.
+messages as ``0-3,8``. The text form, exactly::
+
+    RANKS  = ITEM ("," ITEM)*
+    ITEM   = BLANK* NUMBER BLANK* ["-" BLANK* NUMBER BLANK*]    A-B with A <= B; A-A is rank A
+    NUMBER = 1 to 8 ASCII digits                               a rank is at most MAX_RANK
+    BLANK  = a space or a tab
+
+Blanks are allowed around every item and dash alike (``0-3, 8`` as ``0-3,8``), and a range of
+one rank alike (``--ranks $((N*G))-$((N*G+G-1))`` with one GPU per node writes ``3-3``);
+anything else (another space, a newline, a sign, a Unicode digit, an empty item) is refused,
+as is a rank given twice, in a message that shows the value.
 """
 
 from __future__ import annotations
 
 from .layout import MAX_RANK
+
+_BLANKS = " \t"
 
 
 def parse_ranks(value) -> tuple[int, ...]:
@@ -14,23 +26,7 @@ def parse_ranks(value) -> tuple[int, ...]:
     integers. ValueError (saying what is accepted) for anything else, a rank past what a batch
     name holds, or a rank given twice."""
     if isinstance(value, str):
-        ranks, seen = [], set()
-        for part in value.split(","):
-            low, dash, high = part.strip().partition("-")
-            if not _is_number(low) or dash and not _is_number(high):
-                raise ValueError(f"expected a range A-B or a comma list of ranks (8-15, 0,2,5), got {value[:60]!r}")
-            low_rank, high_rank = int(low), int(high) if dash else int(low)
-            if max(low_rank, high_rank) > MAX_RANK:  # before range(): 0-10**12 would not fit in memory
-                raise ValueError(f"ranks are 0..{MAX_RANK}, got {part.strip()[:30]!r}")
-            if high_rank < low_rank:
-                raise ValueError(f"the range {part.strip()[:30]!r} runs backwards; write {high_rank}-{low_rank}")
-            # A rank given twice is refused at once: "0-9999," repeated would otherwise build a
-            # list of billions of ranks before the duplicate check (what is kept stays <= MAX_RANK + 1).
-            part_ranks = range(low_rank, high_rank + 1)
-            if any(r in seen for r in part_ranks):
-                raise ValueError(f"a rank is given twice in {value[:60]!r}")
-            seen.update(part_ranks)
-            ranks.extend(part_ranks)
+        ranks = _parse_text(value)
     elif isinstance(value, list) and all(type(r) is int for r in value):
         ranks = value
     else:
@@ -42,6 +38,31 @@ def parse_ranks(value) -> tuple[int, ...]:
     if len(set(ranks)) != len(ranks):
         raise ValueError(f"a rank is given twice in {value!r:.60}")
     return tuple(sorted(ranks))
+
+
+def _parse_text(value: str) -> list[int]:
+    """The ranks of the text form (the module's docstring), in the order given."""
+    shown = repr(value[:60]) + ("..." if len(value) > 60 else "")
+    ranks, seen = [], set()
+    for item in value.split(","):
+        low, dash, high = (side.strip(_BLANKS) for side in item.partition("-"))
+        if not _is_number(low) or dash and not _is_number(high):
+            raise ValueError(f"expected a range A-B or a comma list of ranks (8-15, 0,2,5), got {shown}")
+        low_rank, high_rank = int(low), int(high) if dash else int(low)
+        if max(low_rank, high_rank) > MAX_RANK:  # before range(): 0-10**12 would not fit in memory
+            raise ValueError(f"ranks are 0..{MAX_RANK}, got {item.strip(_BLANKS)[:30]!r} in {shown}")
+        if high_rank < low_rank:
+            raise ValueError(
+                f"the range {item.strip(_BLANKS)[:30]!r} runs backwards in {shown}; write {high_rank}-{low_rank}"
+            )
+        # A rank given twice is refused at once: "0-9999," repeated would otherwise build a
+        # list of billions of ranks before the duplicate check (what is kept stays <= MAX_RANK + 1).
+        item_ranks = range(low_rank, high_rank + 1)
+        if any(r in seen for r in item_ranks):
+            raise ValueError(f"a rank is given twice in {shown}")
+        seen.update(item_ranks)
+        ranks.extend(item_ranks)
+    return ranks
 
 
 def _is_number(text: str) -> bool:

@@ -1,0 +1,424 @@
+"""Only Ray clusters the user trusts (issue 24, findings 1 and 10).
+
+Ray's own ``auto`` joins whatever cluster it finds: $RAY_ADDRESS, /tmp/ray/ray_current_cluster
+(whoever ran `ray start` last), then any raylet in the process table, whatever its owner; and
+``ray.get`` unpickles what the cluster returns. Here another user (mallory) runs a head of her
+own and alice's `--ray-address auto` must refuse it; a private instance (``local``) must live in
+a 0700 folder of alice's, not the shared /tmp/ray, and go whole with a cancelled start; and the
+bridge must read results as bytes, never through Ray's deserialiser.
+
+Every Ray process a test starts is ended by its pid (found by the files it holds open in the
+test's own temp folder), never by `ray stop`, which would end other tests' clusters.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from prefetchd import raycluster
+
+from .conftest import cli, wait_until, write_config
+from .crossusers import ALICE, MALLORY, no_traceback
+from .test_ray_attacks import _free_port
+
+ray = pytest.importorskip("ray")
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("ray")]
+
+
+def _holding_files_under(folder: Path, uid: int) -> list[psutil.Process]:
+    """``uid``'s processes with a file open under ``folder``: a Ray instance's, whatever their titles."""
+    prefix = os.path.join(os.path.realpath(folder), "")
+    found = []
+    for p in psutil.process_iter(["uids"]):
+        if p.info["uids"] is None or p.info["uids"].real != uid:
+            continue
+        try:
+            links = [os.readlink(f"/proc/{p.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{p.pid}/fd")]
+        except OSError:
+            continue
+        if any(link.startswith(prefix) for link in links):
+            found.append(p)
+    return found
+
+
+def _kill_all(processes: list[psutil.Process]) -> None:
+    for p in processes:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(processes, timeout=10)
+
+
+# -- the address: never another user's cluster ---------------------------------------------------
+
+
+@pytest.fixture
+def mallorys_head(users):
+    """A Ray head of mallory's, started as she would to lure others: `ray start --head` with token
+    authentication off, its temp folder open to all (Ray makes its session folders 0777 anyway).
+    Ended by the pids that hold files in that folder."""
+    mallory = users[MALLORY]
+    folder = Path(tempfile.mkdtemp(prefix="pfd-mallory-ray-", dir="/tmp"))
+    os.chown(folder, mallory.uid, mallory.gid)
+    folder.chmod(0o755)
+    port = _free_port()
+    env = {"RAY_AUTH_MODE": "disabled", "HOME": str(folder)}
+    started = mallory.run(
+        mallory.python, "-c", "import sys; from ray.scripts.scripts import main; sys.exit(main())",
+        "start", "--head", f"--port={port}", f"--temp-dir={folder}/r", "--num-cpus=1", "--include-dashboard=false",
+        env=env, timeout=180,
+    )  # fmt: skip
+    try:
+        assert started.returncode == 0, started.stdout + started.stderr
+        yield folder, port
+    finally:
+        _kill_all(_holding_files_under(folder, mallory.uid))
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_auto_never_joins_another_users_cluster(users, alice_root, shared_data, mallorys_head):
+    """Before: alice's `start --ray-address auto` joined mallory's head (found in the process
+    table) and served batches made by mallory's workers, her bridge unpickling their results."""
+    alice, mallory = users[ALICE], users[MALLORY]
+    folder, port = mallorys_head
+    try:
+        result = alice.run(
+            alice.python, "-m", "prefetchd", "start", str(shared_data), "--executor", "ray", "--ray-address", "auto",
+            "--workers", "0", "--ray-workers", "1", timeout=180,
+        )  # fmt: skip
+    finally:
+        alice.prefetchd("stop", "job", "--timeout", "5")  # the old code's job, had it joined
+    assert result.returncode == 5, (result.returncode, result.stdout, result.stderr)  # WORKER_BOOT
+    assert "found no Ray cluster of yours on this node" in result.stderr, result.stderr
+    assert f"uid {mallory.uid}" in result.stderr, result.stderr
+    assert no_traceback(result), result.stderr
+    # Ray writes a driver's logs into the session it joins: nothing of alice's may be in mallory's.
+    alices = [p for p in folder.rglob("*") if p.lstat().st_uid == alice.uid]
+    assert not alices, f"alice's driver joined mallory's cluster: {alices[:5]}"
+
+    # Named outright, her head is refused too: its port on this node is hers, not alice's.
+    named = alice.prefetchd(
+        "start", str(shared_data), "--executor", "ray", "--ray-address", f"127.0.0.1:{port}", "--workers", "0",
+        "--ray-workers", "1",
+    )  # fmt: skip
+    assert named.returncode == 5 and f"is uid {mallory.uid}'s, not yours" in named.stderr, named.stderr
+    assert no_traceback(named), named.stderr
+
+
+def test_an_address_on_this_node_is_checked_against_its_listener(users):
+    """The owner check alone, on a real listener of mallory's and one of ours (no Ray start)."""
+    mallory = users[MALLORY]
+    listener = mallory.popen(
+        mallory.python, "-c",
+        "import socket, sys; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
+        "print(s.getsockname()[1], flush=True); sys.stdin.read()",
+    )  # fmt: skip
+    try:
+        theirs = int(listener.stdout.readline())
+        with pytest.raises(raycluster.RayBootError, match=f"is uid {mallory.uid}'s, not yours"):
+            raycluster.check_owner(f"127.0.0.1:{theirs}", "--ray-address")
+        with pytest.raises(raycluster.RayBootError, match="another user"):
+            raycluster.resolve_address("auto", {"RAY_ADDRESS": f"localhost:{theirs}"})
+        with socket.socket() as ours:
+            ours.bind(("127.0.0.1", 0))
+            ours.listen()
+            mine = f"127.0.0.1:{ours.getsockname()[1]}"
+            assert raycluster.resolve_address(mine) == mine
+            assert raycluster.resolve_address("auto", {"RAY_ADDRESS": mine}) == mine
+        assert (
+            raycluster.resolve_address("10.255.255.1:6379") == "10.255.255.1:6379"
+        )  # another machine: the user's word
+        assert raycluster.resolve_address("local", {"RAY_ADDRESS": f"127.0.0.1:{theirs}"}) == "local"
+        with pytest.raises(raycluster.RayBootError, match="is not HOST:PORT"):
+            raycluster.resolve_address("no-port-here")
+    finally:
+        listener.stdin.close()
+        listener.wait(timeout=10)
+        listener.stdout.close()
+
+
+# -- a private instance: its own folder, and nothing left by a cancelled start -------------------
+
+
+def _ray_processes_of(start: psutil.Process) -> dict[int, psutil.Process]:
+    """Every process below `prefetchd start` (the daemon, its bridge, the instance), and every
+    process in the daemon's session (re-parented ones too)."""
+    found = {}
+    try:
+        below = start.children(recursive=True)
+    except psutil.Error:
+        return found
+    sessions = set()
+    for p in below:
+        found[p.pid] = p
+        try:
+            if os.getsid(p.pid) == p.pid:
+                sessions.add(p.pid)
+        except OSError:
+            pass
+    for p in psutil.process_iter():
+        try:
+            if os.getsid(p.pid) in sessions:
+                found[p.pid] = p
+        except (OSError, psutil.Error):
+            continue
+    return found
+
+
+def _session_dir(processes) -> str | None:
+    """The session folder Ray's processes write their logs in (<session>/logs/...)."""
+    for p in processes:
+        try:
+            files = [os.readlink(f"/proc/{p.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{p.pid}/fd")]
+        except OSError:
+            continue
+        for f in files:
+            parts = f.split("/logs/")
+            if len(parts) == 2 and os.path.basename(parts[0]).startswith("session_"):
+                return parts[0]
+    return None
+
+
+def _named(processes, name: str) -> bool:
+    for p in processes:
+        try:
+            if p.name() == name or (p.cmdline() and os.path.basename(p.cmdline()[0]) == name):
+                return True
+        except psutil.Error:
+            continue
+    return False
+
+
+def _cancel_local_start(config: Path, when: str) -> tuple[subprocess.CompletedProcess, dict, str | None, float]:
+    """Start with --ray-address local, SIGTERM `start` once process ``when`` of the instance runs;
+    (the start's result, every process seen under it, the raylet's session folder, seconds the
+    start took to return after the signal)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefetchd", "start", str(config), "--executor", "ray", "--ray-address", "local",
+         "--workers", "0", "--ray-workers", "1"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    start, seen = psutil.Process(proc.pid), {}
+    try:
+        session = None
+
+        def reached():
+            nonlocal session
+            seen.update(_ray_processes_of(start))
+            session = session or _session_dir(seen.values())
+            return _named(seen.values(), when) or proc.poll() is not None
+
+        wait_until(reached, timeout_s=120, interval_s=0.01, what=f"the private instance's {when}")
+        session = session or _session_dir(seen.values())
+        proc.send_signal(signal.SIGTERM)
+        signalled = time.monotonic()
+        while proc.poll() is None:  # every process seen before `start` returns
+            seen.update(_ray_processes_of(start))
+            time.sleep(0.01)
+        took = time.monotonic() - signalled
+        out, err = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), seen, session, took
+
+
+def _alive(processes) -> list[psutil.Process]:
+    left = []
+    for p in processes:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(p)
+        except psutil.Error:
+            continue
+    return left
+
+
+def test_a_cancelled_local_start_leaves_no_ray_process_and_used_a_private_folder(job_root, jpeg_folder, tmp_path):
+    """Before: the instance lived in the shared /tmp/ray (session folders 0777), and a SIGTERM
+    to `start` while Ray booted left ray::DashboardAgent and ray::RuntimeEnvAgent behind (2 of 4
+    trials, alive 40 s later)."""
+    config = write_config(tmp_path, jpeg_folder, workers=0)
+    result, seen, session, took = _cancel_local_start(config, "raylet")
+    try:
+        left = _alive(seen.values())
+        if left:  # the kernel may take a moment to show a SIGKILLed process gone: not the daemon's doing
+            _, left = psutil.wait_procs(left, timeout=2)
+        assert result.returncode != 0, result.stdout
+        assert no_traceback(result), result.stderr
+        assert not left, f"left behind by a cancelled start: {[(p.pid, p.name()) for p in left]}"
+        private = job_root / "job" / "ray"
+        assert session is not None and session.startswith(f"{private}/"), f"Ray's session folder was {session}"
+        assert took < 20, f"`start` took {took:.1f} s to return after SIGTERM"
+        assert not private.exists(), "the private instance's folder outlived the start"
+    finally:
+        _kill_all(_alive(seen.values()))
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("when", ["gcs_server", "ray::DashboardAgent", "ray::IDLE"])
+def test_a_local_start_cancelled_at_any_point_leaves_no_ray_process(job_root, jpeg_folder, tmp_path, when):
+    config = write_config(tmp_path, jpeg_folder, workers=0)
+    result, seen, _, _ = _cancel_local_start(config, when)
+    try:
+        _, left = psutil.wait_procs(_alive(seen.values()), timeout=2)
+        assert not left, f"left behind by a start cancelled at {when}: {[(p.pid, p.name()) for p in left]}"
+        assert no_traceback(result), result.stderr
+    finally:
+        _kill_all(_alive(seen.values()))
+
+
+@pytest.mark.long  # Ray gives its GCS ~40 s before it says it failed
+def test_a_ray_that_cannot_boot_says_rays_own_reason(job_root, jpeg_folder, tmp_path):
+    """Before: "no worker booted within 120 s" (or Ray's first line, without its reason)."""
+    config = write_config(tmp_path, jpeg_folder, workers=0)
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = cli(
+            "start", str(config), "--executor", "ray", "--ray-address", "local", "--workers", "0", "--ray-workers", "1",
+            env={"RAY_GCS_SERVER_PORT": str(port)}, timeout=200,
+        )  # fmt: skip
+    assert result.returncode == 5, (result.returncode, result.stderr)
+    assert "Ray's own words" in result.stderr and f"port is {port}" in result.stderr, result.stderr
+    assert no_traceback(result), result.stderr
+
+
+# -- results: bytes, never unpickled ---------------------------------------------------------------
+
+_READ_RESULTS = r"""
+import os, sys
+import ray
+from prefetchd import raycluster
+
+folder, bombed = sys.argv[1], sys.argv[2]
+options = dict(local_cpus=1, store_bytes=80 << 20, plasma_dir="/tmp", ray_temp=folder + "/s")
+raycluster.connect(ray, "local", options, print)
+
+class Bomb:  # what a hostile node returns: unpickling it runs its code as the driver's user
+    def __reduce__(self):
+        return (open, (bombed, "w"))
+
+@ray.remote(max_retries=0)
+def bomb():
+    return Bomb()
+
+@ray.remote(max_retries=0)
+def raises():
+    raise ValueError("the reader said no")
+
+@ray.remote(max_retries=0, num_returns=2)
+def batch():
+    return b'{"ok": true}', b"\x00\xff" * 4
+
+try:
+    raycluster.get_plain(ray, [bomb.remote()], 60)
+    print("READ the bomb")
+except raycluster.NotPlainData as exc:
+    print("REFUSED", exc)
+print("BOMBED" if os.path.exists(bombed) else "NOT BOMBED")
+try:
+    raycluster.get_plain(ray, [raises.remote()], 60)
+except raycluster.RayTaskFailed as exc:
+    print("FAILED", exc)
+print("BYTES", [bytes(v) for v in raycluster.get_plain(ray, list(batch.remote()), 60)])
+ray.get(bomb.remote())  # what Ray's own get does with it
+print("RAY.GET", "BOMBED" if os.path.exists(bombed) else "NOT BOMBED")
+"""
+
+
+def test_results_from_ray_are_read_as_bytes_and_never_unpickled(tmp_path):
+    """ray.get runs pickle.loads on whatever a node returns as "PYTHON": the bridge reads past it."""
+    folder = Path(tempfile.mkdtemp(prefix="pfd-rt-", dir="/dev/shm"))
+    script = tmp_path / "read_results.py"
+    script.write_text(textwrap.dedent(_READ_RESULTS))
+    bombed = tmp_path / "bombed"
+    try:
+        result = subprocess.run(
+            [sys.executable, str(script), str(folder), str(bombed)], capture_output=True, text=True, timeout=240
+        )
+    finally:
+        _kill_all(_holding_files_under(folder, os.getuid()))
+        shutil.rmtree(folder, ignore_errors=True)
+    out = result.stdout
+    assert "REFUSED a Ray task returned a 'PYTHON' object" in out and "NOT BOMBED" in out, out + result.stderr
+    assert "FAILED TASK_EXECUTION_EXCEPTION: ValueError: the reader said no" in out, out
+    assert "BYTES [b'{\"ok\": true}', b'\\x00\\xff\\x00\\xff\\x00\\xff\\x00\\xff']" in out, out
+    assert "RAY.GET BOMBED" in out, "the bomb is live: Ray's own get runs it"
+
+
+@pytest.mark.parametrize(
+    "report, why",
+    [
+        (b'{"ok": true, "per_source": [4], "replaced": [], "longest_bad_run": true}', "not a int"),
+        (b'{"ok": 1, "per_source": [4], "replaced": [], "longest_bad_run": 0}', "fields"),
+        (b'{"ok": true, "per_source": [4], "replaced": [], "longest_bad_run": 0, "x": 1}', "fields"),
+        (b'{"ok": false, "sample": false, "error": ["a"]}', "not a str"),
+        (b'{"ok": false, "mismatch": {"pillow": {"nested": 1}}}', "not a few names"),
+        (b"[1, 2]", "not a JSON object"),
+        (b"\xff\xfe", "not JSON"),
+        (b"[" * 100_000, "not JSON"),
+        (b" " * ((1 << 20) + 1), "more than"),  # raycluster.MAX_REPORT_BYTES + 1
+    ],
+)
+def test_a_task_report_is_checked_field_by_field(report, why):
+    with pytest.raises(raycluster.NotPlainData, match=why):
+        raycluster.task_report(memoryview(report))
+
+
+def test_a_good_task_report_passes():
+    report = b'{"ok": true, "per_source": [4], "replaced": [], "longest_bad_run": 0}'
+    assert raycluster.task_report(report)["per_source"] == [4]
+    assert raycluster.fingerprint_report(b'{"fingerprint": "ab", "facts": {"pillow": "11", "x": null}}')[0] == "ab"
+
+
+def test_paths_too_long_for_rays_sockets_are_refused_before_ray_starts(job_root, jpeg_folder, tmp_path, monkeypatch):
+    """<job>/ray/s, and a folder in $TMPDIR (job_root's: 36 bytes), too long for Ray's sockets."""
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    assert len(os.environ["TMPDIR"]) + len("/prefetchd-ray-xxxxxxxx/s") + raycluster.SOCKET_SUFFIX_BYTES > 107
+    config = write_config(tmp_path, jpeg_folder, name="longer-name", workers=0)
+    result = cli("start", str(config), "--executor", "ray", "--ray-address", "local", "--workers", "0")
+    assert result.returncode == 5, (result.returncode, result.stderr)
+    assert "would exceed 107 bytes" in result.stderr and "XDG_RUNTIME_DIR" in result.stderr, result.stderr
+    assert no_traceback(result), result.stderr
+
+
+def test_a_symlink_where_the_private_folder_goes_is_not_followed(job_root, jpeg_folder, tmp_path, monkeypatch):
+    """<job>/ray planted as a symlink (by the user, unluckily): the processes holding files where
+    it points are not ended as the instance's, nor is anything there removed."""
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep").write_text("mine")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys; f = open(sys.argv[1]); sys.stdin.read()", str(elsewhere / "keep")],
+        stdin=subprocess.PIPE,
+    )
+    try:
+        wait_until(lambda: _holding_files_under(elsewhere, os.getuid()), what="the holder to open its file")
+        (job_root / "job").mkdir(mode=0o700)
+        (job_root / "job" / "ray").symlink_to(elsewhere)
+        config = write_config(tmp_path, jpeg_folder, workers=0)
+        result = cli("start", str(config), "--executor", "ray", "--ray-address", "local", "--workers", "0")
+        assert result.returncode == 5 and no_traceback(result), result.stderr
+        assert holder.poll() is None, "a process holding a file where the symlink points was ended"
+        assert (elsewhere / "keep").read_text() == "mine"
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=10)

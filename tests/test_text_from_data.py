@@ -1,0 +1,234 @@
+"""Text from data is data: a file name or a daemon's words never act on the terminal that shows
+them (issue 24, finding 11), and ``prefetchd status`` shows its rows whatever COLUMNS and LINES
+say (finding 12).
+
+A corrupt JPEG named ``ESC ] 0 ; PWNED BEL ESC [ 2 J`` ... retitled the window and cleared the
+screen through ``prefetchd status`` and the client's DaemonDied; ``status --watch`` under
+COLUMNS=0 printed nothing. Real daemons, the real CLI in a subprocess (a pty for ``--watch``),
+the real client."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pty
+import select
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from rich.console import Console
+
+from prefetchd import statusview
+from prefetchd.datagen import make_image_folder
+from prefetchd_client import DaemonDied, PrefetchLoader
+from prefetchd_client.text import printable
+
+from .conftest import cli, start_job, wait_until, write_config
+from .helpers import job_status
+
+pytestmark = pytest.mark.timeout(120)
+
+# An OSC that retitles the window, a CSI that clears the screen, U+009B (the one-byte CSI, as
+# UTF-8), a bidi override, rich markup, a byte that is not UTF-8, and a letter that is not ASCII.
+EVIL_NAME = b"\x1b]0;PWNED\x07\x1b[2J\xc2\x9b2J\xe2\x80\xae[bold red][link=https:x]\xffgpj.evil\xe5\x90\x8d.jpg"
+RAW_TERMINAL_BYTES = (b"\x1b", b"\x07", b"\x9b", "\u202e".encode())
+SHOWN_NAME = r"\x1b]0;PWNED\x07\x1b[2J\x9b2J\u202e[bold red][link=https:x]\xffgpj.evil" + "\u540d.jpg"
+
+
+def _assert_inert(output: bytes, where: str) -> str:
+    """``output`` holds no byte that acts on a terminal, is UTF-8, and shows the name escaped."""
+    acting = [b for b in RAW_TERMINAL_BYTES if b in output]
+    assert not acting, f"{where} wrote {acting} to the terminal: {output[:600]!r}"
+    text = output.decode("utf-8")  # strict: a raw 0xff is no text a terminal should get
+    assert SHOWN_NAME in text, f"{where} does not show the name escaped: {text[:600]!r}"
+    return text
+
+
+@pytest.fixture
+def evil_job(tmp_path, job_root):
+    """A job whose data folder holds a corrupt JPEG named EVIL_NAME; under --on-error fail the
+    daemon stops naming it (stopped.json keeps its words)."""
+    data = make_image_folder(tmp_path / "data", classes=2, per_class=8, size=(40, 60), seed=3)
+    victim = sorted(data.rglob("*.jpg"))[0]
+    evil = os.path.join(os.fsencode(victim.parent), EVIL_NAME)
+    os.rename(victim, evil)
+    with open(evil, "wb") as f:
+        f.write(b"not a JPEG")
+    paths = start_job(write_config(tmp_path, data, batch_size=16, size=16), "--on-error", "fail")
+    wait_until(lambda: paths.stopped.exists(), timeout_s=30, what="the daemon to stop on the corrupt file")
+    yield paths, os.fsdecode(evil)
+    assert cli("stop", "job").returncode == 0
+
+
+def _prefetchd(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The real CLI, its output as bytes: what a terminal would get."""
+    return subprocess.run(
+        [sys.executable, "-m", "prefetchd", *args], capture_output=True, timeout=60, env={**os.environ, **(env or {})}
+    )
+
+
+def test_a_file_name_with_terminal_escapes_shows_escaped_in_status_and_the_clients_error(evil_job):
+    paths, evil = evil_job
+    for args in (["status"], ["status", "job"]):
+        shown = _prefetchd(*args)
+        assert shown.returncode == 0, shown.stderr
+        text = _assert_inert(shown.stdout, f"prefetchd {' '.join(args)}")
+        assert "[bold red][link=https:x]" in text, "rich markup from a file name printed literally"
+    with pytest.raises(DaemonDied) as raised:
+        PrefetchLoader("job", as_tensors=False, timeout=10)
+    _assert_inert(str(raised.value).encode(), "DaemonDied")
+    _assert_inert(paths.log.read_bytes(), "daemon.log")  # which the error says to read: `tail` it
+    # A terminal that is not UTF-8 gets the letter as an escape, not a UnicodeEncodeError.
+    ascii_only = _prefetchd("status", "job", env={"PYTHONIOENCODING": "ascii"})
+    assert ascii_only.returncode == 0 and b"evil\\u540d.jpg" in ascii_only.stdout, ascii_only.stderr[-2000:]
+    # --json keeps the exact text for a program, as printable ASCII for a terminal.
+    as_json = _prefetchd("status", "job", "--json")
+    assert as_json.returncode == 0 and all(0x20 <= b < 0x7F or b == 0x0A for b in as_json.stdout)
+    assert evil in json.loads(as_json.stdout)["error"]
+
+
+def test_the_clis_errors_show_a_data_path_escaped(tmp_path, job_root, jpeg_folder):
+    missing = os.fsdecode(os.path.join(os.fsencode(tmp_path), EVIL_NAME))
+    result = _prefetchd("start", str(write_config(tmp_path, jpeg_folder)), "--data", missing)
+    assert result.returncode == 3, result.stderr  # DATA: the folder does not exist
+    _assert_inert(result.stderr, "prefetchd start's error")
+    assert not any(job_root.iterdir())
+
+
+def test_a_status_reply_whose_every_string_is_hostile_renders_inert(tmp_path, job_root, jpeg_folder):
+    """Every string of a real serving job's reply (and every key) replaced by one with escapes
+    and rich markup, as a peer answering on the job's socket could send: the plain and the live
+    view show them escaped and literal. A reply nested deeper than any of ours is one line."""
+    paths = start_job(write_config(tmp_path, jpeg_folder, batch_size=4))
+    hostile = os.fsdecode(EVIL_NAME)
+
+    def poison(value):
+        if isinstance(value, str):
+            return value + hostile
+        if isinstance(value, dict):
+            return {k: poison(v) for k, v in value.items()}
+        return [poison(v) for v in value] if isinstance(value, list) else value
+
+    reply = {"state": "serving", "job_dir": str(paths.dir), **job_status(paths)}
+    reply = poison(reply) | {"state": "serving"}
+    reply["workers"]["each"][0]["task"] = hostile
+    reply["executor"] = {"kind": "ray", "address": hostile, "state": "lost", "why": hostile, "in_flight": 0, "slots": 1}
+    reply["totals"]["refused"] = {hostile: 3}
+    for live in (False, True):
+        console = Console(file=io.StringIO(), width=200, color_system=None, soft_wrap=True)
+        console.print(statusview.render(reply, live=live), highlight=False)
+        text = _assert_inert(console.file.getvalue().encode("utf-8", "surrogateescape"), f"render(live={live})")
+        assert text.count(SHOWN_NAME) >= 5, text  # the job, its trainer, the executor, the refusals, ...
+        assert "[bold red][link=https:x]" in text
+    deep: list = []
+    for _ in range(900):
+        deep = [deep]
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    console.print(statusview.render({"job": "job", "state": "serving", "job_dir": "x", "ranks": deep}))
+    assert "not what prefetchd sends" in console.file.getvalue()
+
+
+def _watch_in_a_pty(env: dict, marker: bytes, timeout_s: float = 15.0) -> tuple[bytes, int]:
+    """``prefetchd status job --watch`` on a pty (a terminal: rich's live view), read until
+    ``marker`` shows or the deadline passes, then Ctrl-C; its output and exit code."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "prefetchd", "status", "job", "--watch"],
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        env={**os.environ, "TERM": "xterm-256color", **env},
+    )
+    os.close(slave)
+    seen = b""
+    try:
+        deadline = time.monotonic() + timeout_s
+        while marker not in seen and time.monotonic() < deadline:
+            if select.select([master], [], [], 0.1)[0]:
+                try:
+                    seen += os.read(master, 1 << 16)
+                except OSError:  # EIO: the command ended and closed the pty
+                    break
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(master)
+    return seen, code
+
+
+ODD_SIZES = ("0", "-3", "²", "99999999999", "abc")  # zero, negative, a digit int() refuses, huge, no number
+
+
+def _status_rows_under(sizes: tuple[str, ...], watch: tuple[str, ...], tmp_path, jpeg_folder) -> None:
+    """`prefetchd status` under each of ``sizes`` as COLUMNS and LINES (at once), and `--watch`
+    under each of ``watch``, show rank 0's row: "never" is its trainer and its last report (no
+    trainer reads this job)."""
+    paths = start_job(write_config(tmp_path, jpeg_folder, batch_size=4))
+    wait_until(lambda: job_status(paths)["ranks"][0]["ready"] >= 1, 30, what="a batch ready")
+    shown = {
+        size: subprocess.Popen(
+            [sys.executable, "-m", "prefetchd", "status", "job"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env={**os.environ, "COLUMNS": size, "LINES": size},
+        )
+        for size in sizes
+    }
+    for size, proc in shown.items():
+        stdout, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and b"Traceback" not in stderr, stderr[-2000:]
+        assert b"in flight" in stdout and b"never" in stdout, f"COLUMNS={size}: {stdout!r}"
+    for size in watch:
+        started = time.monotonic()
+        seen, code = _watch_in_a_pty({"COLUMNS": size, "LINES": size}, marker=b"never")
+        assert b"never" in seen and b"ready" in seen, f"--watch under COLUMNS={size} showed {seen[-800:]!r}"
+        assert code == 0 and b"Traceback" not in seen
+        print(f"[figure] --watch under COLUMNS=LINES={size}: rank rows after {time.monotonic() - started:.1f} s")
+
+
+def test_status_shows_its_rows_whatever_columns_and_lines_say(tmp_path, job_root, jpeg_folder):
+    _status_rows_under(ODD_SIZES, ("0",), tmp_path, jpeg_folder)
+
+
+@pytest.mark.long
+def test_status_watch_shows_its_rows_under_every_odd_columns_and_lines(tmp_path, job_root, jpeg_folder):
+    _status_rows_under((), ODD_SIZES, tmp_path, jpeg_folder)
+
+
+_ACTING = {*map(chr, range(0x20)), *map(chr, range(0x7F, 0xA0)), "\u061c", "\u200e", "\u200f", "\u2028", "\u2029"}
+_ACTING |= {*map(chr, range(0x202A, 0x202F)), *map(chr, range(0x2066, 0x206A))}
+
+
+_SPECIALS = st.sampled_from(["\x1b", "\x07", "\x9b", "\x7f", "\n", "\u202e", "\u2066", "\udcff", "\ud800", "\\", "["])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(st.characters() | _SPECIALS, max_size=40) | st.binary(max_size=40), st.none() | st.integers(0, 50))
+def test_printable_leaves_nothing_that_acts_on_a_terminal(text, limit):
+    shown = printable(text, limit)
+    assert not _ACTING & set(shown) and not any(0xD800 <= ord(c) <= 0xDFFF for c in shown), repr(shown)
+    shown.encode("utf-8")  # strict: prints on any UTF-8 terminal
+    assert printable(shown) == shown, "escaping twice (the client, then the CLI) reads the same"
+    if limit is not None:
+        assert len(shown) <= limit + len("...")
+    if isinstance(text, str) and text.isascii() and text.isprintable() and (limit is None or len(text) <= limit):
+        assert shown == text
+
+
+def test_printable_shows_each_kind_of_character_as_its_escape():
+    assert printable("a\x1b]0;T\x07b\x9b\x7f\n\t") == r"a\x1b]0;T\x07b\x9b\x7f\n\t"
+    assert printable("\u202eevil\u2066\u2028") == r"\u202eevil\u2066\u2028"
+    assert printable(os.fsdecode(b"x\xff\x80y")) == r"x\xff\x80y"  # bytes that were not UTF-8
+    assert printable(b"x\xff\x1by") == r"x\xff\x1by"
+    assert printable("\ud800") == r"\ud800"
+    assert printable("日本 ünïcode 🙂") == "日本 ünïcode 🙂"
+    assert printable("\x1b" * 10, limit=9) == r"\x1b\x1b..."  # an escape is never cut in half
