@@ -7,6 +7,12 @@ otherwise reads the row group's image column whole (for a Hugging Face ``Image``
 its ``bytes`` child) and keeps recent ones in a byte-bounded LRU. pyarrow is an optional extra,
 imported only here (and by parquetpages to decompress) and only when a Parquet source is used.
 
+``image_column`` and ``label_column`` name a top-level column exactly: a dotted name is never a
+path into a struct (a Hugging Face Image struct is named as itself, and its ``bytes`` child is
+found here). A column is read by the index of its Parquet leaf, never by pyarrow's ``columns=``,
+which takes a name as a path prefix: "img.bytes" there is both a column of that name and the
+child of a struct ``img``, and "label" takes in a column named "label.name" too.
+
 No file is opened before a stat says it is a regular file, and the open itself is O_NONBLOCK:
 a FIFO planted under a ``.parquet`` name would otherwise block its reader forever.
 """
@@ -22,7 +28,7 @@ import numpy as np
 
 from . import stopsignals
 from .errors import ConfigError, DataError
-from .parquetpages import ColumnChunk, Unsupported
+from .parquetpages import ColumnChunk, Damaged, Unsupported, column_leaf
 from .sources import NO_LABEL, PARQUET_ROW, SampleIndex, open_data_file
 
 CACHE_BYTES = 64 << 20  # decoded image columns of row groups kept per reader
@@ -140,10 +146,14 @@ def _scan_file(path: str, image_column: str, label_column: str, what: str) -> tu
     with pf:
         schema, meta = pf.schema_arrow, pf.metadata
         image_type = _field(schema, image_column, "image_column", what).type
-        if _image_read_as(pa, schema, image_column) is None:
+        if not _images_in(pa, image_type)[0]:
             raise DataError(
                 f"{what}: image_column {image_column!r} is {image_type}, not {_IMAGE_TYPES}; "
                 "set image_column to the column of encoded images"
+            )
+        if _image_leaf(pa, pf, image_column) is None:
+            raise DataError(
+                f"{what}: cannot tell which of its Parquet leaf columns holds image_column {image_column!r}"
             )
         label_type = _field(schema, label_column, "label_column", what).type
         if not pa.types.is_integer(label_type):
@@ -152,10 +162,19 @@ def _scan_file(path: str, image_column: str, label_column: str, what: str) -> tu
                 "class indices 0..N-1 (map class names to integers first), or set label_column"
             )
         groups = np.array([meta.row_group(i).num_rows for i in range(meta.num_row_groups)], dtype=np.int64)
+        leaf = column_leaf(pa, pf, label_column)
+        if leaf is None:
+            raise DataError(f"{what}: cannot tell which of its Parquet leaf columns is label_column {label_column!r}")
         try:
-            column = pf.read(columns=[label_column]).column(0).combine_chunks()
+            table = pf.reader.read_all(column_indices=[leaf])
+            column = table.column(0).combine_chunks()
         except _arrow_failures(pa) as exc:
             raise DataError(f"{what}: cannot read label_column {label_column!r}: {_first_line(exc)}") from None
+        if table.schema.names != [label_column] or not pa.types.is_integer(column.type):
+            raise DataError(
+                f"{what}: label_column {label_column!r} read back as columns {table.schema.names!r} of "
+                f"{[str(t) for t in table.schema.types]!r}, not one integer column"
+            )
     if len(column) != groups.sum():
         raise DataError(f"{what}: its footer counts {groups.sum()} rows but the label column has {len(column)}")
     return groups, _labels(column, groups, what)
@@ -164,18 +183,40 @@ def _scan_file(path: str, image_column: str, label_column: str, what: str) -> tu
 def _field(schema, name: str, key: str, what: str):
     if schema.get_field_index(name) < 0:  # missing, or there twice
         shown = ", ".join(repr(n) for n in schema.names[:20]) + (" ..." if len(schema.names) > 20 else "")
-        raise DataError(f"{what} has no single column {name!r} (it has {shown}); set {key} in [[source]]")
+        raise DataError(
+            f"{what} has no single column {name!r} (it has {shown}){_struct_field_hint(schema, name, key)}; "
+            f"set {key} in [[source]]"
+        )
     return schema.field(name)
 
 
-def _image_read_as(pa, schema, column: str) -> str | None:
-    """What to ask pyarrow for to get ``column``'s encoded images: the column itself, or only the
-    ``bytes`` child of a Hugging Face Image struct (its ``path`` is never read); None if neither."""
-    index = schema.get_field_index(column)  # -1: missing, or there twice
+def _struct_field_hint(schema, name: str, key: str) -> str:
+    """Where ``name`` names a field of a struct column by its path, what to do instead."""
+    pa, _ = _pyarrow()
+    head, _, rest = name.rpartition(".")
+    index = schema.get_field_index(head) if head else -1
     t = schema.field(index).type if index >= 0 else None
-    if t is not None and pa.types.is_struct(t) and t.get_field_index("bytes") >= 0:
-        column, t = f"{column}.bytes", t.field("bytes").type
-    return column if t is not None and (pa.types.is_binary(t) or pa.types.is_large_binary(t)) else None
+    if t is None or not pa.types.is_struct(t) or t.get_field_index(rest) < 0:
+        return ""
+    holds_images = key == "image_column" and _images_in(pa, t)[0]
+    instead = f" (a struct of images is named as itself: {key} = {head!r})" if holds_images else ""
+    return f": {name!r} is field {rest!r} of struct column {head!r}; only a top-level column is read{instead}"
+
+
+def _images_in(pa, t) -> tuple[bool, str | None]:
+    """Whether a column of type ``t`` holds encoded images, and in which struct field: the column
+    itself, or only the ``bytes`` child of a Hugging Face Image struct (its ``path`` is never read)."""
+    child = None
+    if pa.types.is_struct(t) and t.get_field_index("bytes") >= 0:
+        child, t = "bytes", t.field("bytes").type
+    return pa.types.is_binary(t) or pa.types.is_large_binary(t), child
+
+
+def _image_leaf(pa, pf, column: str) -> int | None:
+    """The leaf column of ``column``'s encoded images; None if there is none."""
+    index = pf.schema_arrow.get_field_index(column)
+    holds, child = _images_in(pa, pf.schema_arrow.field(index).type) if index >= 0 else (False, None)
+    return column_leaf(pa, pf, column, child) if holds else None
 
 
 def _labels(column, groups: np.ndarray, what: str) -> np.ndarray:
@@ -197,11 +238,16 @@ def _labels(column, groups: np.ndarray, what: str) -> np.ndarray:
 class ParquetRows:
     """A worker's reader of Parquet rows: open files and recent row groups' images kept.
 
-    ``cached_bytes`` (row groups read whole, decoded dictionaries) stays at most ``cache_bytes``,
-    save when one row group alone is bigger: that one is kept on its own, since reading it again
-    for each of its rows would cost far more.
-    A file found changed (by its inode, size or mtime) when a row group is read is opened again
-    and its cached row groups dropped; until then, cached row groups serve what was read.
+    ``cached_bytes`` (row groups read whole, and what parquetpages holds: checked pages' row
+    tables, decoded dictionaries) stays at most ``cache_bytes``, save when one row group alone is
+    bigger: that one is kept on its own, since reading it again for each of its rows would cost
+    far more.
+    A file found changed (by its inode, size or mtime) when a row is read is opened again and
+    its cached row groups dropped; until then, cached row groups serve what was read.
+
+    What a row gets depends on the file alone, never on the rows read before it: a row of a page
+    that parquetpages finds damaged is a bad sample (with pyarrow's words when pyarrow refuses
+    its row group too), a row of a page it does not read comes from pyarrow's row group.
     """
 
     def __init__(self, cache_bytes: int = CACHE_BYTES, open_files: int = OPEN_FILES, pages: bool = True):
@@ -210,25 +256,41 @@ class ParquetRows:
         self.open_files = open_files
         self.cached_bytes = 0
         self._groups: OrderedDict[tuple[str, str, int], object] = OrderedDict()  # -> a binary pyarrow Array
-        # path -> (ParquetFile, identity, {column: read as}, fd for parquetpages or None)
+        # path -> (ParquetFile, identity, {column: its leaf, or None}, fd for parquetpages or None)
         self._files: OrderedDict[str, tuple] = OrderedDict()
         # (path, column, row group) -> its pages, or None: read the row group whole
         self._chunks: OrderedDict[tuple[str, str, int], ColumnChunk | None] = OrderedDict()
-        # the chunks holding a decoded dictionary (counted in cached_bytes), oldest first
-        self._dictionaries: OrderedDict[tuple[str, str, int], ColumnChunk] = OrderedDict()
+        # the chunks holding checked pages or a decoded dictionary (counted in cached_bytes), oldest first
+        self._decoded: OrderedDict[tuple[str, str, int], ColumnChunk] = OrderedDict()
+        # (path, column, row group) -> why pyarrow cannot read it: asked once, not once per row
+        self._refused: OrderedDict[tuple[str, str, int], str] = OrderedDict()
 
     def read(self, path: str, row_group: int, row: int, column: str) -> bytes:
         """The encoded image in ``column`` at ``row`` of ``row_group``; ValueError if there is none.
         From its data page alone where parquetpages reads the column; else from its row group."""
         key = (path, column, row_group)
+        chunk = self._chunk(path, row_group, column) if self.pages else None
+        if chunk is not None:
+            if not 0 <= row < chunk.rows:
+                raise ValueError(
+                    f"{_shown(path)}: row {row} is out of range: row group {row_group} has {chunk.rows} rows"
+                )
+            try:
+                value = self._page_value(chunk, key, row)
+            except Damaged as exc:
+                raise self._refusal(path, row_group, row, column, exc) from None
+            except Unsupported:
+                pass  # a page parquetpages does not read: its row group is read whole, below
+            except OSError as exc:
+                raise ValueError(f"{_shown(path)}: cannot read row group {row_group}: {exc.strerror}") from None
+            else:
+                if value is None:
+                    raise ValueError(
+                        f"{_shown(path)}: null image in column {column!r} (row group {row_group}, row {row})"
+                    )
+                return value
         images = self._groups.get(key)
         if images is None:
-            chunk = self._chunk(path, row_group, column) if self.pages else None
-            if chunk is not None:
-                try:
-                    return self._page_value(chunk, path, row_group, row, column)
-                except Unsupported:
-                    self._chunks[key] = None  # this chunk is read whole from now on
             images = self._load(path, row_group, column)
         else:
             self._groups.move_to_end(key)
@@ -239,31 +301,47 @@ class ParquetRows:
             raise ValueError(f"{_shown(path)}: null image in column {column!r} (row group {row_group}, row {row})")
         return value
 
-    def _page_value(self, chunk: ColumnChunk, path: str, row_group: int, row: int, column: str) -> bytes:
-        if not 0 <= row < chunk.rows:
-            raise ValueError(f"{_shown(path)}: row {row} is out of range: row group {row_group} has {chunk.rows} rows")
-        held = chunk.dictionary_bytes
-        value = chunk.value(row)
-        if chunk.dictionary_bytes != held:  # a dictionary decoded: it counts against the cache's bound
-            self._make_room(chunk.dictionary_bytes)
-            self._dictionaries[(path, column, row_group)] = chunk
-            self.cached_bytes += chunk.dictionary_bytes
-        if value is None:
-            raise ValueError(f"{_shown(path)}: null image in column {column!r} (row group {row_group}, row {row})")
-        return value
+    def _page_value(self, chunk: ColumnChunk, key: tuple, row: int) -> bytes | None:
+        held = chunk.held_bytes
+        try:
+            return chunk.value(row)
+        finally:
+            if chunk.held_bytes != held:  # a page checked, a dictionary decoded: counted against the bound
+                if self._decoded.pop(key, None) is not None:
+                    self.cached_bytes -= held
+                self._make_room(chunk.held_bytes)
+                self._decoded[key] = chunk
+                self.cached_bytes += chunk.held_bytes
+
+    def _refusal(self, path: str, row_group: int, row: int, column: str, damage: Damaged) -> ValueError:
+        """Why a row of a damaged page is a bad sample: pyarrow's words where it refuses the row
+        group too; else parquetpages' own (pyarrow reads some damaged pages shifted, or cut)."""
+        try:
+            self._load(path, row_group, column)
+        except ValueError as refused:
+            return refused
+        return ValueError(
+            f"{_shown(path)}: damaged page of column {column!r} (row group {row_group}, row {row}): {damage}"
+        )
 
     def _make_room(self, size: int) -> None:
-        """Drop the least recently cached row groups, then decoded dictionaries, until ``size`` fits."""
-        while self.cached_bytes + size > self.cache_bytes and (self._groups or self._dictionaries):
+        """Drop the least recently cached row groups, then checked pages and decoded dictionaries,
+        until ``size`` fits."""
+        while self.cached_bytes + size > self.cache_bytes and (self._groups or self._decoded):
             if self._groups:
                 self.cached_bytes -= self._groups.popitem(last=False)[1].get_total_buffer_size()
             else:
-                self._drop_dictionary(next(iter(self._dictionaries)))
+                self._drop_decoded(next(iter(self._decoded)))
 
-    def _drop_dictionary(self, key: tuple) -> None:
-        chunk = self._dictionaries.pop(key)
-        self.cached_bytes -= chunk.dictionary_bytes
-        chunk.drop_dictionary()
+    def _drop_decoded(self, key: tuple) -> None:
+        chunk = self._decoded.pop(key)
+        self.cached_bytes -= chunk.held_bytes
+        chunk.drop_decoded()
+
+    def _leaf_of(self, pf, leaves: dict, column: str) -> int | None:
+        if column not in leaves:
+            leaves[column] = _image_leaf(_pyarrow()[0], pf, column)
+        return leaves[column]
 
     def _chunk(self, path: str, row_group: int, column: str) -> ColumnChunk | None:
         """The page table of the image column in this row group; None where pages are not read."""
@@ -273,54 +351,71 @@ class ParquetRows:
             self._file(path)  # a changed file drops its chunks (_forget)
             if key in self._chunks:
                 return self._chunks[key]
-        pa, _ = _pyarrow()
-        pf, _, read_as, fd = self._file(path)
+        pf, _, leaves, fd = self._file(path)
         chunk = None
         if fd is not None and 0 <= row_group < pf.metadata.num_row_groups:
-            if column not in read_as:
-                read_as[column] = _image_read_as(pa, pf.schema_arrow, column)
-            leaf = [i for i in range(len(pf.schema)) if pf.schema.column(i).path == read_as[column]]
-            if len(leaf) == 1:
+            leaf = self._leaf_of(pf, leaves, column)
+            if leaf is not None:
                 group = pf.metadata.row_group(row_group)
                 try:
-                    chunk = ColumnChunk(fd, group.column(leaf[0]), pf.schema.column(leaf[0]).max_definition_level,
-                                        group.num_rows)
+                    chunk = ColumnChunk(
+                        fd, group.column(leaf), pf.schema.column(leaf).max_definition_level, group.num_rows
+                    )
                 except (Unsupported, OSError):
                     chunk = None
         self._chunks[key] = chunk
         if len(self._chunks) > _CHUNKS:
             old = next(iter(self._chunks))
-            if old in self._dictionaries:
-                self._drop_dictionary(old)
+            if old in self._decoded:
+                self._drop_decoded(old)
             del self._chunks[old]
         return chunk
 
     def _load(self, path: str, row_group: int, column: str):
         pa, _ = _pyarrow()
-        pf, _, read_as, _ = self._file(path)
+        pf, _, leaves, _ = self._file(path)
+        key = (path, column, row_group)
+        if key in self._refused:
+            raise ValueError(self._refused[key])
         groups = pf.metadata.num_row_groups
         if not 0 <= row_group < groups:
             raise ValueError(f"{_shown(path)}: row group {row_group} is out of range: the file has {groups} now")
-        if column not in read_as:
-            read_as[column] = _image_read_as(pa, pf.schema_arrow, column)
-        if read_as[column] is None:
+        leaf = self._leaf_of(pf, leaves, column)
+        if leaf is None:
             raise ValueError(f"{_shown(path)}: no image column {column!r} of {_IMAGE_TYPES} in it now")
         try:  # use_threads=False: one column, and a worker process has no cores to spare
-            table = pf.read_row_group(row_group, columns=[read_as[column]], use_threads=False)
+            table = pf.reader.read_row_group(row_group, column_indices=[leaf], use_threads=False)
             images = table.column(0).combine_chunks()
         except _arrow_failures(pa) as exc:
-            raise ValueError(f"{_shown(path)}: cannot read row group {row_group}: {_first_line(exc)}") from None
+            raise self._refuse(key, f"cannot read row group {row_group}: {_first_line(exc)}") from None
+        if table.schema.names != [column]:  # _leaf checked the leaf's path: never, short of a pyarrow change
+            raise ValueError(f"{_shown(path)}: column {column!r} read back as {table.schema.names}")
+        rows = pf.metadata.row_group(row_group).num_rows
+        if len(images) != rows:  # pyarrow reads some damaged page headers as fewer values, and says nothing
+            raise self._refuse(
+                key,
+                f"cannot read row group {row_group}: pyarrow read {len(images)} values of {column!r} for {rows} rows",
+            )
         if pa.types.is_struct(images.type):
             images = images.flatten()[0]  # flatten, not .field(): a null struct makes its bytes null too
+        if not (pa.types.is_binary(images.type) or pa.types.is_large_binary(images.type)):
+            raise ValueError(f"{_shown(path)}: column {column!r} read back as {images.type}, not binary")
         size = images.get_total_buffer_size()
         self._make_room(size)
-        self._groups[(path, column, row_group)] = images
+        self._groups[key] = images
         self.cached_bytes += size
         return images
 
+    def _refuse(self, key: tuple, why: str) -> ValueError:
+        """Keep why pyarrow cannot read the row group at ``key``, and return it as the error."""
+        self._refused[key] = f"{_shown(key[0])}: {why}"
+        if len(self._refused) > _CHUNKS:
+            self._refused.popitem(last=False)
+        return ValueError(self._refused[key])
+
     def _file(self, path: str) -> tuple:
         """The open file at ``path``, opened again when the file there is no longer the one that
-        was opened (replaced, rewritten or truncated); a stat per row group read, not per row."""
+        was opened (replaced, rewritten or truncated); a stat per row read."""
         try:
             st = os.stat(path)
         except OSError as exc:
@@ -345,10 +440,11 @@ class ParquetRows:
             _close(entry)
         for key in [k for k in self._groups if k[0] == path]:
             self.cached_bytes -= self._groups.pop(key).get_total_buffer_size()
-        for key in [k for k in self._chunks if k[0] == path]:
-            del self._chunks[key]
-        for key in [k for k in self._dictionaries if k[0] == path]:
-            self._drop_dictionary(key)
+        for key in [k for k in self._decoded if k[0] == path]:
+            self._drop_decoded(key)
+        for cache in (self._chunks, self._refused):
+            for key in [k for k in cache if k[0] == path]:
+                del cache[key]
 
     def close(self) -> None:
         """Close every open file and drop every cached row group."""
@@ -356,7 +452,8 @@ class ParquetRows:
             _close(self._files.popitem()[1])
         self._groups.clear()
         self._chunks.clear()
-        self._dictionaries.clear()
+        self._decoded.clear()
+        self._refused.clear()
         self.cached_bytes = 0
 
 

@@ -5,15 +5,13 @@ shard once instead (member offsets and sizes, members grouped into samples by ke
 WebDataset groups them) and reads a sample's image with one ``pread`` at its offset. The
 global permutation, resume, mixing and determinism then work as for a folder of files.
 
-An index is cached per shard (``$PREFETCHD_CACHE``, else ``~/.cache/prefetchd/shards``) and
-reused while the shard's size and mtime are unchanged; a cache file that does not load as
-expected is rebuilt, never trusted.
+An index is cached per shard (prefetchd.shardcache: ``$PREFETCHD_CACHE``, else
+``~/.cache/prefetchd/shards``, used only where no other user can write) and reused while the
+shard's size, mtime, inode and ctime are unchanged.
 """
 
 from __future__ import annotations
 
-import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -22,24 +20,35 @@ import stat
 import tarfile
 from collections import OrderedDict
 from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 
 from . import stopsignals
 from .errors import DataError
+from .shardcache import _cache_file, _load_cached, _save_cached
 from .sources import NO_LABEL, TAR_MEMBER, SampleIndex, open_data_file
 
 log = logging.getLogger(__name__)
 
 IMAGE_KEYS = ("jpg", "jpeg", "png", "webp")  # the first present is the sample's image
-_CACHE_VERSION = 2
 MAX_SHARDS = 1_000_000  # what urls may name: a pattern like {0..99999999} is a mistake, not a dataset
 _MAX_LABEL_BYTES = 1 << 20  # a .cls or .json member bigger than this is not a label
 _OPEN_SHARDS = 64  # a worker keeps this many shards open
 READ_AHEAD_BYTES = 64 << 20  # at most this much is asked for ahead, per batch
-# WebDataset's split of a member name into the sample's key and the member's extension.
-_KEY_EXT = re.compile(r"^((?:.*/|)[^./]+)[.]([^/]*)$")
+_MAX_IMAGE_BYTES = 1 << 30  # as transforms.MAX_FILE_BYTES: a bigger member is not read into memory
+# A sparse member's holes cost the shard nothing: a shard of a few KiB could make every read
+# expand a gigabyte. An encoded image is not hundreds of MiB of mostly zeros.
+_MAX_SPARSE_BYTES = 256 << 20
+_MAX_SPARSE_SEGMENTS = 1 << 16  # GNU tar writes a segment per run of data; a map of millions costs seconds a read
+# The names WebDataset skips before grouping (webdataset.tariterators: meta_prefix/meta_suffix
+# and skip_meta).
+_WDS_META = re.compile(r"__[^/]*__($|/)")
+# A sample's place in the index's offset column: the image member's data offset (>= 0), or
+# -(header + reason): no plain member to pread, and why; ``header`` is the byte (a multiple of
+# tarfile.BLOCKSIZE) where the first header of the member to look at begins.
+_NO_IMAGE = 1  # -1: the sample has no image member (header 0: none)
+_BY_HEADER = 2  # read as its header defines it: a sparse member (tar --sparse), or one whose size overruns its data
+_REPEATS = 3  # a member's extension repeats within the sample (WebDataset: "duplicate file name")
 _RANGE = re.compile(r"\{(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?\}")
 
 
@@ -87,7 +96,7 @@ def scan_webdataset(src: dict, where: str) -> SampleIndex:
 
 
 def _shard_index(shard: str, label_key: str | None, where: str) -> np.ndarray:
-    """int64 (samples, 3): the image member's offset (-1: none) and size, and the label (-1: none)."""
+    """int64 (samples, 3): the image member's offset (negative: see _NO_IMAGE) and size, and the label (-1: none)."""
     try:
         st = os.stat(shard)
     except OSError as exc:
@@ -103,101 +112,191 @@ def _shard_index(shard: str, label_key: str | None, where: str) -> np.ndarray:
 
 
 def _index_tar(shard: str, label_key: str | None, where: str) -> np.ndarray:
+    """One row per sample, grouped as WebDataset groups members: offset (see _NO_IMAGE), size, label."""
     rows: list[list[int]] = []
-    key, end = None, 0
+    key, extensions = None, set()  # the sample being grouped: its key and the extensions it has
+    repeats, first_repeat = 0, None  # samples refused for a key that repeats, and the first: its key, member, header
     try:
         fd, _ = open_data_file(shard)  # a FIFO swapped in since the stat: refused, not a hung start
         with open(fd, "rb") as f, tarfile.open(fileobj=f, mode="r:") as tar:
             while True:
                 try:
                     member = tar.next()
-                    # A negative size (a pax header may say so) sends tarfile back over the same
-                    # member for ever (CPython's CVE-2025-8194): members must move forward.
-                    if member is not None and (member.size < 0 or member.offset < end):
+                    # tar.offset is where tarfile reads the next header. A negative size (a pax
+                    # header may say so) sends it back over the same member for ever (CPython's
+                    # CVE-2025-8194): it must move forward. Not offset_data + size: a sparse
+                    # member's size is its expanded size, more than the data it stores.
+                    if member is not None and (member.size < 0 or tar.offset <= member.offset):
                         raise tarfile.ReadError(f"a member at byte {member.offset} goes backwards")
-                except (tarfile.ReadError, OSError, ValueError, OverflowError) as exc:
-                    # truncated or damaged past here: keep what came before
-                    log.warning("shard %s is damaged after %d samples (%s); the rest of it is not served",
-                                shard, len(rows), exc)
+                except (tarfile.ReadError, OSError, ValueError, OverflowError, RecursionError) as exc:
+                    # truncated or damaged past here: keep what came before. RecursionError:
+                    # tarfile reads each GNU long-name or pax header by calling itself again.
+                    log.warning(
+                        "shard %s is damaged after %d samples (%s); the rest of it is not served", shard, len(rows), exc
+                    )
                     break
                 if member is None:
+                    _warn_if_cut_short(f, tar.offset, shard, len(rows))
                     break
-                end = member.offset_data + member.size
                 tar.members.clear()  # tarfile keeps every member it read: 1e5 members would stay in memory
-                m = _KEY_EXT.match(member.name)
-                if not member.isreg() or m is None or os.path.basename(member.name).startswith("."):
+                name = member.name
+                if not member.isreg() or _WDS_META.match(name) or ("/" not in name and name[:2] == name[-2:] == "__"):
                     continue
-                if m.group(1) != key:  # members of a sample are consecutive, as WebDataset reads them
-                    key = m.group(1)
-                    rows.append([-1, 0, NO_LABEL, len(IMAGE_KEYS)])
-                row, ext = rows[-1], m.group(2).lower()
+                split = _key_ext(name)
+                if split is None:
+                    continue
+                if split[0] != key:  # members of a sample are consecutive, as WebDataset reads them
+                    key, extensions = split[0], set()
+                    rows.append([-_NO_IMAGE, 0, NO_LABEL, len(IMAGE_KEYS)])
+                row, ext = rows[-1], split[1].lower()
+                if ext in extensions:
+                    # WebDataset raises "duplicate file name"; pairing either image with either
+                    # label would be a guess: the whole sample is bad, its reader says why.
+                    if row[3] >= 0:
+                        repeats, first_repeat = repeats + 1, first_repeat or (key, name, member.offset)
+                        row[:] = [-(member.offset + _REPEATS), 0, NO_LABEL, -1]  # the first repeat names it
+                    continue
+                extensions.add(ext)
+                if row[3] < 0:  # a sample already refused: nothing more is looked at
+                    continue
                 if ext in IMAGE_KEYS and IMAGE_KEYS.index(ext) < row[3]:
-                    row[0], row[1], row[3] = member.offset_data, member.size, IMAGE_KEYS.index(ext)
+                    plain = not member.issparse() and member.offset_data + member.size <= tar.offset
+                    row[0] = member.offset_data if plain else -(member.offset + _BY_HEADER)
+                    row[1], row[3] = member.size, IMAGE_KEYS.index(ext)
                 elif (ext == "cls" and label_key is None) or (ext == "json" and label_key is not None):
-                    row[2] = _label(f, member, label_key)
-    except (tarfile.TarError, OSError, ValueError) as exc:
+                    row[2] = _label(f.fileno(), member, tar.offset, label_key)
+    except (tarfile.TarError, OSError, ValueError, RecursionError) as exc:
         raise DataError(f"{where}: shard {shard} is not a readable tar file ({exc}); check urls") from None
+    if first_repeat:  # one line a shard: a shard of a million such samples is one problem
+        key, name, offset = first_repeat
+        log.warning(
+            "shard %s: %d sample(s) whose key repeats an extension are bad samples, the first key %r "
+            "(a second %r at byte %d)",
+            shard,
+            repeats,
+            key,
+            name,
+            offset,
+        )
     return np.asarray(rows, dtype=np.int64).reshape(-1, 4)[:, :3].copy()
 
 
-def _label(f, member: tarfile.TarInfo, label_key: str | None) -> int:
+def _key_ext(name: str) -> tuple[str, str] | None:
+    """A member name's (key, extension) as WebDataset splits it, or None where it does not.
+
+    webdataset.tariterators.base_plus_ext is ``re.match(r"^((?:.*/|)[^.]+)[.]([^/]*)$", name)``:
+    "d/.x.jpg" is key "d/" with extension "x.jpg". That regex backtracks in quadratic time
+    over a name of many slashes (60 KB: 20 s; a pax name may be megabytes), so this is its
+    linear equivalent (tests/test_shards.py checks it on every name of up to 6 of "a./\\n"): the
+    extension follows the first dot of the last path part; the key before it must end in at
+    least one non-dot after a slash that ".*" reaches (no newline before it) or the start."""
+    last = name.rfind("/")
+    dot = name.find(".", last + 1)
+    if dot < 0:
+        return None
+    newline = name.find("\n")
+    start = name.rfind("/", 0, len(name) if newline < 0 else newline) + 1
+    if start == dot and start > 0:  # the last part starts with the dot: the key takes the part before
+        start = name.rfind("/", 0, start - 1) + 1
+    if start < dot and "." not in name[start:dot]:
+        return name[:dot], name[dot + 1 :]
+    return None
+
+
+def _warn_if_cut_short(f, offset: int, shard: str, samples: int) -> None:
+    """tarfile ends an archive at a header it cannot parse as quietly as at its end: say so
+    when what lies there is neither the end of the file nor the zero blocks that end a tar."""
+    try:
+        block = os.pread(f.fileno(), tarfile.BLOCKSIZE, offset)
+    except OSError:
+        return
+    if block.strip(b"\0"):
+        log.warning(
+            "shard %s is damaged after %d samples (the block at byte %d is not a tar header); "
+            "the rest of it is not served",
+            shard,
+            samples,
+            offset,
+        )
+
+
+def _label(fd: int, member: tarfile.TarInfo, next_header: int, label_key: str | None) -> int:
     """The label a .cls member (an integer as text) or a .json member's key holds; -1: none."""
     if member.size > _MAX_LABEL_BYTES:
         return NO_LABEL
-    data = os.pread(f.fileno(), member.size, member.offset_data)
     try:
+        data = _member_bytes(fd, member, next_header)
         value = json.loads(data)[label_key] if label_key is not None else int(data.strip())
     except (ValueError, KeyError, TypeError, IndexError, RecursionError):
         return NO_LABEL
     return value if type(value) is int and 0 <= value < 1 << 62 else NO_LABEL
 
 
-def _cache_root() -> Path:
-    env = os.environ.get("PREFETCHD_CACHE")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "prefetchd" / "shards"
+def _member_bytes(fd: int, member: tarfile.TarInfo, next_header: int) -> bytes:
+    """A regular member's content as tar defines it; ValueError where the shard cannot vouch for it.
+
+    A sparse member (GNU tar --sparse, GNU or pax format) stores only its data segments, one
+    after the other from ``offset_data``; its map (offset, length per segment) places them in a
+    file of ``member.size`` bytes, zeros in between (tarfile's own reading, _FileInFile). The map
+    must be in order, inside the file and hold no more than the member stores (up to
+    ``next_header``, where tarfile reads the next header); GNU's unused map slots read (0, 0)."""
+    bound = _MAX_SPARSE_BYTES if member.issparse() else _MAX_IMAGE_BYTES
+    if member.size > bound:
+        raise ValueError(f"it expands to {member.size:,} bytes, more than prefetchd reads for an image ({bound:,})")
+    if not member.issparse():
+        if member.offset_data + member.size > next_header:  # a pax size (GNU.sparse.realsize) not its own
+            raise ValueError(
+                f"it claims {member.size} bytes, but the next header begins after "
+                f"{next_header - member.offset_data}: the rest would be other members' bytes"
+            )
+        return _pread_exactly(fd, member.size, member.offset_data)
+    if len(member.sparse) > _MAX_SPARSE_SEGMENTS:
+        raise ValueError(f"its sparse map has {len(member.sparse):,} segments, more than {_MAX_SPARSE_SEGMENTS:,}")
+    segments = [(int(at), int(n)) for at, n in member.sparse if n]
+    covered = stored = 0
+    for at, n in segments:
+        if at < covered or n < 0 or at + n > member.size:
+            raise ValueError(
+                f"its sparse map is out of order or runs past its {member.size} bytes: {member.sparse[:8]}"
+            )
+        covered, stored = at + n, stored + n
+    if member.offset_data + stored > next_header:
+        raise ValueError(f"its sparse map places {stored} bytes, more than the member stores")
+    data, out, pos = _pread_exactly(fd, stored, member.offset_data), bytearray(member.size), 0
+    for at, n in segments:
+        out[at : at + n] = data[pos : pos + n]
+        pos += n
+    return bytes(out)
 
 
-def _cache_file(shard: str, st: os.stat_result, label_key: str | None) -> Path:
-    # The inode and ctime too: a shard rewritten in place with its mtime set back (cp -p, rsync -a)
-    # changes its ctime, and one replaced by rename its inode.
-    ident = json.dumps(
-        [_CACHE_VERSION, os.path.realpath(shard), label_key, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
-    )
-    return _cache_root() / (hashlib.sha256(ident.encode()).hexdigest()[:32] + ".npy")
+def _pread_exactly(fd: int, size: int, offset: int) -> bytes:
+    data = os.pread(fd, size, offset)
+    if len(data) != size:
+        raise ValueError(f"the shard ends {size - len(data)} bytes into the member: truncated")
+    return data
 
 
-def _load_cached(cache: Path, shard_size: int) -> np.ndarray | None:
+def _member_at(fd: int, header: int) -> tuple[tarfile.TarInfo, int]:
+    """The member whose first header (pax or GNU long name included) begins at byte ``header``,
+    as tarfile reads it there, and where the next header begins. A TarFile reads its first member
+    where its file object stands. ValueError when no member begins there (the shard changed)."""
     try:
-        if not stat.S_ISREG(os.lstat(cache).st_mode):  # a FIFO would block np.load
-            return None
-        # Mapped, then copied: a header that claims more rows than the file holds fails the
-        # mapping, where a plain load would first allocate what it claims.
-        table = np.array(np.load(cache, mmap_mode="r", allow_pickle=False))
-    except Exception:  # noqa: BLE001 - whatever is wrong with a cache file, it is indexed again
-        return None
-    if table.dtype != np.int64 or table.ndim != 2 or table.shape[1] != 3:
-        return None
-    offsets, sizes, labels = table.T
-    has_image = offsets >= 0
-    if (sizes < 0).any() or (offsets[has_image] + sizes[has_image] > shard_size).any() or (labels < NO_LABEL).any():
-        return None
-    return table
+        with open(fd, "rb", closefd=False) as f:
+            f.seek(header)
+            with tarfile.open(fileobj=f, mode="r:") as tar:
+                member = tar.next()
+                next_header = tar.offset
+    except (tarfile.TarError, OSError, ValueError, OverflowError, RecursionError) as exc:
+        raise ValueError(f"the member at byte {header} cannot be read again ({exc}); has the shard changed?") from None
+    if member is None or member.offset != header or not member.isreg():
+        raise ValueError(f"no member begins at byte {header} any more; has the shard changed?")
+    return member, next_header
 
 
-def _save_cached(cache: Path, table: np.ndarray) -> None:
-    """Best effort: a cache that cannot be written costs the next start an indexing, nothing more."""
-    tmp = cache.with_name(f".{cache.name}.{os.getpid()}.tmp")
-    try:
-        cache.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        with open(tmp, "xb") as f:
-            np.save(f, table, allow_pickle=False)
-        os.replace(tmp, cache)
-    except OSError as exc:
-        log.info("shard index cache not written (%s): %s", cache, exc)
-        with contextlib.suppress(OSError):
-            tmp.unlink()
+def _marked(offset: int) -> tuple[int, int]:
+    """(header, reason) of a negative offset (see _NO_IMAGE)."""
+    header = -offset // tarfile.BLOCKSIZE * tarfile.BLOCKSIZE
+    return header, -offset - header
 
 
 class TarMembers:
@@ -207,12 +306,53 @@ class TarMembers:
         self._fds: OrderedDict[str, int] = OrderedDict()
 
     def read(self, shard: str, offset: int, size: int) -> bytes:
-        if offset < 0:
+        """The image of a sample at (``offset``, ``size``) of the index; ValueError for a bad sample."""
+        if offset >= 0:
+            if size > _MAX_IMAGE_BYTES:
+                raise ValueError(f"the image member has {size:,} bytes, more than any image ({_MAX_IMAGE_BYTES:,})")
+            data = os.pread(self._fd(shard), size, offset)
+            if len(data) != size:
+                raise ValueError(f"the shard ends {size - len(data)} bytes into the image member: truncated")
+            return data
+        header, reason = _marked(offset)
+        if reason == _NO_IMAGE:
             raise ValueError(f"the sample has no image member ({', '.join('.' + k for k in IMAGE_KEYS)})")
-        data = os.pread(self._fd(shard), size, offset)
-        if len(data) != size:
-            raise ValueError(f"the shard ends {size - len(data)} bytes into the image member: truncated")
-        return data
+        fd = self._fd(shard)
+        member, next_header = _member_at(fd, header)
+        if reason == _REPEATS:
+            key, ext = _key_ext(member.name) or (member.name, "?")
+            ext = ext.lower()
+            raise ValueError(
+                f"key {key!r} repeats .{ext} within one sample (a second {member.name!r} at byte {header}); "
+                "which image goes with which label is not known, so neither is served (webdataset: "
+                "'duplicate file name')"
+            )
+        if reason != _BY_HEADER or member.size != size:
+            raise ValueError(f"the index does not match the member at byte {header} any more; has the shard changed?")
+        try:
+            return _member_bytes(fd, member, next_header)
+        except ValueError as exc:
+            kind = "sparse image member" if member.issparse() else "image member"
+            raise ValueError(f"the {kind} {member.name!r} at byte {header}: {exc}") from None
+
+    def check_refused(self, shard: str, offset: int) -> None:
+        """Raise read's ValueError for a sample refused at indexing (a key that repeats): it has
+        no label either, and the repeat is the reason to give."""
+        if offset < 0 and _marked(offset)[1] == _REPEATS:
+            self.read(shard, offset, 0)
+
+    def place(self, shard: str, offset: int, size: int) -> str:
+        """Where in its shard a sample without a plain image member is, for messages."""
+        header, reason = _marked(offset)
+        if reason == _NO_IMAGE:
+            return "a sample with no image member"
+        try:
+            name = repr(_member_at(self._fd(shard), header)[0].name)
+        except (OSError, ValueError):
+            name = "?"
+        if reason == _BY_HEADER:
+            return f"member {name} at byte {header} ({size} bytes, sparse or overrunning)"
+        return f"a sample whose key repeats (member {name} at byte {header})"
 
     def will_need(self, places: list[tuple[str, int, int]]) -> None:
         """Have the kernel read these members in now, in shard-offset order, up to READ_AHEAD_BYTES."""

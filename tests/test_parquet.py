@@ -17,6 +17,9 @@ from prefetchd.errors import ConfigError, DataError  # noqa: E402
 from prefetchd.parquetsource import ParquetRows, scan_parquet  # noqa: E402
 from prefetchd.sources import NO_LABEL, PARQUET_ROW  # noqa: E402
 
+from .conftest import cli, start_job, write_config  # noqa: E402
+from .helpers import read_epoch  # noqa: E402
+
 pytestmark = pytest.mark.timeout(30)
 WHERE = "[[source]] #1 (parquet)"
 HF_IMAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])  # datasets' Image feature
@@ -257,3 +260,97 @@ def test_missing_pyarrow_is_a_config_error(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     with pytest.raises(ConfigError, match=r"pip install 'prefetchd\[parquet\]'"):
         scan_parquet(source(tmp_path / "x.parquet"), WHERE)
+
+
+def _columns_in_order(columns: dict, struct_first: bool) -> dict:
+    return dict(reversed(list(columns.items()))) if struct_first else columns
+
+
+@pytest.mark.parametrize("struct_first", [False, True], ids=["flat-first", "struct-first"])
+@pytest.mark.parametrize("pages", [True, False], ids=["pages", "row-groups"])
+def test_a_dotted_image_column_is_the_column_of_that_name_never_a_struct_field(tmp_path, struct_first, pages):
+    """issue 24 finding 6: beside a struct ``img{bytes}``, ``image_column = "img.bytes"`` served the
+    struct's child, not the column named "img.bytes": pyarrow selects columns by path prefix."""
+    flat, inner = jpegs(6, seed=1), jpegs(6, seed=2)
+    columns = {
+        "img.bytes": pa.array(flat),
+        "img": pa.array([{"bytes": b, "path": None} for b in inner], HF_IMAGE),
+    }
+    table = pa.table({**_columns_in_order(columns, struct_first), "label": pa.array(range(6))})
+    path = tmp_path / "x.parquet"
+    pq.write_table(table, path, row_group_size=4)
+    reader = ParquetRows(pages=pages)
+    try:
+        for column, images in (("img.bytes", flat), ("img", inner)):
+            index = scan_parquet(source(path, image_column=column), WHERE)
+            assert [reader.read(index.path(i), *index.member(i), column) for i in range(6)] == images, column
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize("struct_first", [False, True], ids=["flat-first", "struct-first"])
+def test_a_dotted_label_column_is_the_column_of_that_name_never_a_struct_field(tmp_path, struct_first):
+    """issue 24 finding 6: ``label_column = "y.z"`` beside a struct ``y{z}`` read the struct (an
+    ArrowTypeError, exit 70) or its child, whichever came first; a column named "label.name" beside
+    "label" was read for "label" the same way."""
+    columns = {"y.z": pa.array([5, 6, 7, 8]), "y": pa.array([{"z": 1}, {"z": 2}, {"z": 3}, {"z": 4}])}
+    names = {"label.name": pa.array(["cat", "dog", "cat", "eel"]), "label": pa.array([0, 1, 0, 2], pa.int8())}
+    table = pa.table(
+        {
+            "image": pa.array(jpegs(4)),
+            **_columns_in_order(columns, struct_first),
+            **_columns_in_order(names, not struct_first),
+        }
+    )
+    path = tmp_path / "x.parquet"
+    pq.write_table(table, path)
+    assert scan_parquet(source(path, label_column="y.z"), WHERE).labels.tolist() == [5, 6, 7, 8]
+    assert scan_parquet(source(path, label_column="label"), WHERE).labels.tolist() == [0, 1, 0, 2]
+    with pytest.raises(DataError, match=r"label_column 'y' is struct<z: int64>, not an integer type"):
+        scan_parquet(source(path, label_column="y"), WHERE)
+    with pytest.raises(DataError, match=r"label_column 'label.name' is string, not an integer type"):
+        scan_parquet(source(path, label_column="label.name"), WHERE)
+
+
+def test_a_struct_field_named_by_its_path_is_refused_saying_what_to_name(tmp_path):
+    table = pa.table(
+        {
+            "img": pa.array([{"bytes": b, "path": None} for b in jpegs(2)], HF_IMAGE),
+            "y": pa.array([{"z": 1}, {"z": 2}]),
+        }
+    )
+    path = tmp_path / "x.parquet"
+    pq.write_table(table, path)
+    with pytest.raises(DataError, match=r"'y.z' is field 'z' of struct column 'y'; only a top-level column"):
+        scan_parquet(source(path, image_column="img", label_column="y.z"), WHERE)
+    with pytest.raises(DataError, match=r"'img.bytes' is field 'bytes' of struct column 'img'; .*image_column = 'img'"):
+        scan_parquet(source(path, image_column="img.bytes", label_column="y"), WHERE)
+
+
+@pytest.mark.timeout(120)
+def test_start_serves_the_label_column_of_that_name_beside_a_struct_of_the_same_path(tmp_path, job_root):
+    """issue 24 finding 6: `prefetchd start` exited 70 (an internal error, ArrowTypeError) for
+    ``label_column = "y.z"`` beside a struct ``y{z}`` that came first in the file."""
+    table = pa.table(
+        {
+            "image": pa.array(jpegs(8)),
+            "y": pa.array([{"z": 100 + i} for i in range(8)]),
+            "y.z": pa.array([i % 3 for i in range(8)]),
+        }
+    )
+    data = tmp_path / "x.parquet"
+    pq.write_table(table, data)
+    source = f'kind = "parquet"\npath = "{data}"\nlabel_column = "y.z"'
+    start_job(write_config(tmp_path, tmp_path, batch_size=4, source=source))
+    try:
+        batches = read_epoch("job", batch_size=4)
+        served = {int(i): int(y) for b in batches for i, y in zip(b.arrays["index"], b.arrays["label"])}
+        assert served == {i: i % 3 for i in range(8)}
+    finally:
+        assert cli("stop", "job").returncode == 0
+    wrong_source = f'kind = "parquet"\npath = "{data}"\nlabel_column = "y"'
+    wrong = write_config(tmp_path, tmp_path, name="wrong", source=wrong_source)
+    refused = cli("start", str(wrong))
+    assert refused.returncode == 3, refused.stderr
+    assert "label_column 'y' is struct<z: int64>, not an integer type" in refused.stderr
+    assert "Traceback" not in refused.stderr

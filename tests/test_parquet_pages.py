@@ -169,3 +169,173 @@ def test_decoded_dictionaries_count_against_the_cache_bound(tmp_path):
     finally:
         reader.close()
     assert reader.cached_bytes == 0
+
+
+def _prefix_at(data: bytes, value: bytes) -> int:
+    """Where the 4-byte PLAIN length before ``value`` lies in an uncompressed file written without
+    statistics (which would hold the smallest and largest value too); values are unique."""
+    at = data.index(value) - 4
+    assert int.from_bytes(data[at : at + 4], "little") == len(value)
+    return at
+
+
+def _outcomes(path, order) -> dict[int, bytes | str]:
+    """Each row's bytes, or the text of the ValueError its read raised, read in ``order`` by a new reader."""
+    reader = ParquetRows()
+    out: dict[int, bytes | str] = {}
+    try:
+        for i in order:
+            try:
+                out[i] = reader.read(str(path), 0, i, "image")
+            except ValueError as exc:
+                out[i] = str(exc)
+    finally:
+        reader.close()
+    return out
+
+
+@pytest.mark.parametrize("page_size", [1 << 20, 1024], ids=["one-page", "pages"])
+def test_a_damaged_length_prefix_never_serves_a_neighbours_image(tmp_path, page_size):
+    """issue 24 finding 5: one PLAIN length prefix made to take in the next value too. The reader
+    read prefixes only up to row k: it served row 2's image for row 1, row 3's for row 2, ... (94
+    of 96 rows, all as valid), where pyarrow refuses the page; what a row got depended on the order
+    of the reads."""
+    images = [f"image {i:03d};".encode() * (8 + i % 5) for i in range(96)]
+    path = tmp_path / "x.parquet"
+    pq.write_table(
+        pa.table({"image": images, "label": list(range(96))}),
+        path,
+        compression="none",
+        use_dictionary=False,
+        data_page_size=page_size,
+        write_batch_size=8,
+        write_statistics=False,
+    )
+    data = bytearray(path.read_bytes())
+    at = _prefix_at(data, images[1])
+    data[at : at + 4] = (len(images[1]) + 4 + len(images[2])).to_bytes(4, "little")
+    path.write_bytes(data)
+    with pytest.raises(pa.ArrowInvalid, match="Invalid or truncated PLAIN-encoded BYTE_ARRAY data"):
+        pq.read_table(path)
+    orders = [range(96), range(95, -1, -1), np.random.default_rng(3).permutation(96).tolist()]
+    runs = [_outcomes(path, order) for order in orders]
+    assert runs[0] == runs[1] == runs[2], "what a row gets does not depend on the order of the reads"
+    outcome = runs[0]
+    wrong = [i for i, got in outcome.items() if isinstance(got, bytes) and got != images[i]]
+    refused = sorted(i for i, got in outcome.items() if isinstance(got, str))
+    assert wrong == []
+    assert {1, 2} <= set(refused)
+    for i in refused:
+        assert outcome[i] == f"{path}: cannot read row group 0: Invalid or truncated PLAIN-encoded BYTE_ARRAY data"
+    if page_size == 1 << 20:
+        assert refused == list(range(96))
+    else:  # the pages that the damage does not touch vouch for their own rows
+        assert 0 < len(refused) < 40, refused
+    print(f"\n[figure] one prefix changed, {page_size}-byte pages: {len(wrong)} wrong, {len(refused)}/96 refused")
+
+
+def _nullable_page(tmp_path):
+    """(path, file bytes, images, where the definition levels' bit-packed bytes start): 40 rows,
+    every fifth one null, one uncompressed PLAIN page."""
+    images = [None if i % 5 == 1 else f"image {i:03d};".encode() * 3 for i in range(40)]
+    path = tmp_path / "n.parquet"
+    table = pa.table({"image": pa.array(images, pa.binary())})
+    pq.write_table(table, path, compression="none", use_dictionary=False, write_statistics=False)
+    pf = pq.ParquetFile(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        (page,) = ColumnChunk(fd, pf.metadata.row_group(0).column(0), 1, 40).pages
+    finally:
+        os.close(fd)
+        pf.close()
+    data = path.read_bytes()
+    levels = page.body + 4  # a v1 page: a 4-byte length, then the RLE / bit-packed hybrid levels
+    assert data[levels] == (5 << 1) | 1, "pyarrow bit-packs these 40 levels as 5 groups of 8"
+    return path, bytearray(data), images, levels + 1
+
+
+def _set_bit(data: bytearray, at: int, bit: int, value: bool) -> None:
+    data[at + bit // 8] = data[at + bit // 8] | (1 << bit % 8) if value else data[at + bit // 8] & ~(1 << bit % 8)
+
+
+@pytest.mark.parametrize(
+    "damage, pyarrow_says",
+    [
+        ("a null row's level says it has a value", "Invalid or truncated PLAIN-encoded BYTE_ARRAY data"),
+        ("a row's level says it is null", None),  # pyarrow reads the page: its values shifted by one
+        ("the last value's length is two bytes short", None),  # pyarrow reads a truncated last value
+    ],
+)
+def test_levels_and_lengths_that_do_not_add_up_to_the_page_refuse_its_rows(tmp_path, damage, pyarrow_says):
+    """The definition levels say how many values a page holds; its PLAIN lengths must sum to its
+    values exactly. Where they do not, pyarrow refuses the page or reads it shifted; neither is a
+    row's image."""
+    path, data, images, bits = _nullable_page(tmp_path)
+    if damage.startswith("a null"):
+        _set_bit(data, bits, 1, True)
+    elif damage.startswith("a row's"):
+        _set_bit(data, bits, 2, False)
+    else:
+        at = _prefix_at(data, images[39])
+        data[at : at + 4] = (len(images[39]) - 2).to_bytes(4, "little")
+    path.write_bytes(data)
+    if pyarrow_says is None:
+        assert pq.read_table(path).column(0).to_pylist() != images  # pyarrow serves what it guessed
+    else:
+        with pytest.raises(pa.ArrowInvalid, match=pyarrow_says):
+            pq.read_table(path)
+    outcome = _outcomes(path, range(40))
+    assert sorted(outcome) == list(range(40))
+    for i, got in outcome.items():
+        assert isinstance(got, str), f"row {i}: served {got!r}"
+        if pyarrow_says is None:
+            assert got.startswith(f"{path}: damaged page of column 'image' (row group 0, row {i}): "), got
+        else:
+            assert got == f"{path}: cannot read row group 0: {pyarrow_says}"
+
+
+def test_a_page_is_checked_once_not_per_row(tmp_path):
+    images = [os.urandom(3000) for _ in range(60)]
+    path = tmp_path / "x.parquet"
+    # pyarrow cuts pages only between write batches
+    pq.write_table(pa.table({"image": images}), path, use_dictionary=False, data_page_size=8192, write_batch_size=4)
+    reader = ParquetRows()
+    try:
+        assert [reader.read(str(path), 0, i, "image") for i in range(60)] == images
+        chunk = reader._chunks[(str(path), "image", 0)]
+        checks = dict(chunk._checked)
+        assert len(chunk.pages) > 3 and sorted(checks) == list(range(len(chunk.pages)))
+        assert [reader.read(str(path), 0, i, "image") for i in range(59, -1, -1)] == images[::-1]
+        assert all(chunk._checked[p] is checks[p] for p in checks), "no page was checked again"
+    finally:
+        reader.close()
+
+
+def test_a_row_group_that_pyarrow_reads_short_is_refused_not_shifted(tmp_path):
+    """Found by tests/test_fuzz_parquet.py: a page header whose value count says 7 where its page
+    holds 8 makes pyarrow read 31 values for a row group of 32, without a word. The chunk's pages
+    no longer add up, so the row group was read through pyarrow, and rows 15-30 were served their
+    next row's image."""
+    images = [f"image {i:03d};".encode() * 4 for i in range(32)]
+    path = tmp_path / "x.parquet"
+    pq.write_table(
+        pa.table({"image": images}),
+        path,
+        compression="none",
+        use_dictionary=False,
+        write_batch_size=8,
+        data_page_size=64,
+        write_statistics=False,
+    )
+    data = bytearray(path.read_bytes())
+    # A v1 data page header: field 5 (a struct) whose num_values is 8 (zigzag 0x10), encoding PLAIN,
+    # RLE levels: one per page of 8 rows; the second page's count becomes 7 (zigzag 0x0e).
+    header = b"\x2c\x15\x10\x15\x00\x15\x06\x15\x06"
+    assert data.count(header) == 4
+    data[data.index(header, data.index(header) + 1) + 2] = 0x0E
+    path.write_bytes(data)
+    assert len(pq.ParquetFile(path).read_row_group(0).column(0)) == 31
+    outcome = _outcomes(path, range(32))
+    assert outcome == {
+        i: f"{path}: cannot read row group 0: pyarrow read 31 values of 'image' for 32 rows" for i in range(32)
+    }

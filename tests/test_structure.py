@@ -15,7 +15,8 @@ The layer rules:
 - A pure module (PURE: plans, decisions, tables, error types, message types; no processes, files
   or sockets) imports, directly, only other pure modules and the client's format modules
   (CLIENT_FORMAT: ``prefetchd_client.batchfile`` and ``prefetchd_client.layout``, which define the
-  batch format and the job directory's names that the plan and the messages speak of; the
+  batch format and the job directory's names that the plan and the messages speak of,
+  ``prefetchd_client.ranks`` and ``prefetchd_client.text``, pure text functions; the
   client's own tests cover their I/O). A pure module that needs a file, a process or a socket
   takes it as an argument from the module that owns that edge.
 
@@ -47,7 +48,7 @@ WORKER_SIDE |= {f"prefetchd.{m}" for m in ("fastdecode", "roidecode", "tjlib")} 
 WORKER_SIDE |= {f"prefetchd.{m}" for m in ("raybridge", "raycluster", "raytask")}  # --executor ray's side
 MASTER_SIDE = {f"prefetchd.{m}" for m in ("master", "pool", "buffer", "intake", "job", "daemon", "cli", "status")}
 PURE = {f"prefetchd.{m}" for m in ("plan", "scheduler", "policy", "settings", "errors", "sizes", "messages", "stalls")}
-CLIENT_FORMAT = {"prefetchd_client.batchfile", "prefetchd_client.layout", "prefetchd_client.ranks"}
+CLIENT_FORMAT = {f"prefetchd_client.{m}" for m in ("batchfile", "layout", "ranks", "text")}
 SHIMS = {"__init__", "__main__"}
 
 
