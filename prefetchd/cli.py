@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 
 from prefetchd_client.errors import AuthError, UnsafeFolder
@@ -22,49 +21,24 @@ from prefetchd_client.folders import OpenJob, open_job, open_private_dir
 from prefetchd_client.layout import JobPaths, resolve_root
 from prefetchd_client.locks import daemon_alive
 from prefetchd_client.manifest import VersionMismatch, check_manifest, read_manifest, read_stopped
-from prefetchd_client.text import printable
 
 from . import control, settings
 from .config import load_config
 from .errors import DaemonStop, ExitCode, JobError, UserError, describe, error_from_json
+from .terminal import bounded, err, literal, out
 
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Prefetch augmented training batches into a tmpfs buffer."
 )
-_TERMINAL_CELLS = range(20, 10_001)  # COLUMNS or LINES outside: no table fits, or no screen is that big
-
-
-def _prepare_terminal() -> None:
-    """Before any console (ours, typer's help's) reads them: drop a COLUMNS or LINES rich cannot use
-    (it prints nothing at 0, pads lines to 99999999999, raises on ²), so it follows the terminal,
-    80 x 25 without one; a name a non-UTF-8 terminal cannot encode shows as \\u65e5, not a crash."""
-    for name in ("COLUMNS", "LINES"):
-        value = os.environ.get(name, "20")
-        if not (value.isascii() and value.isdigit() and len(value) <= 5 and int(value) in _TERMINAL_CELLS):
-            del os.environ[name]
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(AttributeError, ValueError):  # not a TextIOWrapper, or closed
-            stream.reconfigure(errors="backslashreplace")
-
-
-_prepare_terminal()
-err = Console(stderr=True, soft_wrap=True)  # never break a path across lines
-out = Console(soft_wrap=True)
-
 RootOpt = Annotated[
     Optional[Path],
     typer.Option("--root", help="Folder of job directories [default: $PREFETCHD_ROOT or /dev/shm/prefetchd-<uid>]"),
 ]
 
 
-def _literal(text: object) -> str:
-    """``text`` shown as it is by a rich print: printable (prefetchd_client.text), not markup."""
-    return escape(printable(text))
-
-
 def _fail(exc: UserError) -> typer.Exit:
     # Its message may quote file names, a reader's words or a daemon's stop reason: data.
-    err.print(f"[bold red]error:[/] {_literal(exc)}", highlight=False, soft_wrap=True)
+    err.print(f"[bold red]error:[/] {escape(bounded(str(exc)))}", highlight=False, soft_wrap=True)
     return typer.Exit(int(exc.exit_code))
 
 
@@ -163,15 +137,15 @@ def start(
             _check_ipc_path(paths)
         warning = control.endpoint_warning(cfg)
         if warning is not None:
-            err.print(f"[bold yellow]warning:[/] {_literal(warning)}", highlight=False)
+            err.print(f"[bold yellow]warning:[/] {literal(warning)}", highlight=False)
         if foreground:
             _serve_in_foreground(cfg, paths, keep)
             return
         msg = start_detached(cfg, paths, keep=keep, launched=_take_early_daemon())
     except UserError as exc:
         raise _fail(exc) from None
-    job_dir, pid = _literal(msg["job_dir"]), _literal(msg["pid"])  # the daemon's words
-    out.print(f"job {_literal(cfg.name)} serving\njob dir: {job_dir}\npid: {pid}", highlight=False)
+    job_dir, pid = literal(msg["job_dir"]), literal(msg["pid"])  # the daemon's words
+    out.print(f"job {literal(cfg.name)} serving\njob dir: {job_dir}\npid: {pid}", highlight=False)
 
 
 def _serve_in_foreground(cfg, paths: JobPaths, keep: bool) -> None:
@@ -185,7 +159,7 @@ def _serve_in_foreground(cfg, paths: JobPaths, keep: bool) -> None:
 
     def notify(msg: dict) -> None:
         if msg["ok"]:
-            err.print(_literal(f"job {cfg.name} serving at {paths.dir} (pid {msg['pid']}); Ctrl-C stops it"))
+            err.print(literal(f"job {cfg.name} serving at {paths.dir} (pid {msg['pid']}); Ctrl-C stops it"))
         else:
             failures.append(error_from_json(msg["error"]))
 
@@ -259,7 +233,7 @@ def status(
         print(json.dumps(reports[0] if job is not None else reports, indent=1).replace("\x7f", "\\u007f"))
         return
     if not reports:
-        out.print(_literal(f"no jobs under {resolve_root(root)}"))
+        out.print(literal(f"no jobs under {resolve_root(root)}"))
     for s in reports:
         out.print(statusview.render(s), highlight=False)
 
@@ -301,7 +275,7 @@ def stop(
         outcome = stop_job(_job_paths(job, root), keep=keep, timeout_s=timeout)
     except UserError as exc:
         raise _fail(exc) from None
-    out.print(_literal(f"job {job}: {outcome}"), highlight=False)
+    out.print(literal(f"job {job}: {outcome}"), highlight=False)
 
 
 @app.command()
@@ -333,7 +307,7 @@ def verify(
     if not result["identical"]:
         err.print(
             "[bold red]differs:[/] "
-            + _literal(
+            + literal(
                 f"{result['batch']}: published crc32 {result['published_crc32']}, "
                 f"regenerated {result['regenerated_crc32']}; "
                 f"{result['reason'] + '; ' if result.get('reason') else ''}"
@@ -342,7 +316,7 @@ def verify(
             highlight=False,
         )
         raise typer.Exit(1)
-    out.print(_literal(f"identical: {result['batch']} crc32 {result['regenerated_crc32']}"), highlight=False)
+    out.print(literal(f"identical: {result['batch']} crc32 {result['regenerated_crc32']}"), highlight=False)
 
 
 @app.command()
@@ -385,8 +359,8 @@ def pack(
         raise _fail(exc) from None
     except Exception as exc:  # noqa: BLE001 - a bug or the unforeseen: one line (pack removes what it wrote)
         raise _fail(DaemonStop(f"internal error while packing: {describe(exc)}", ExitCode.INTERNAL)) from None
-    err.print(_literal(packing.summary(manifest)), highlight=False)
-    out.print(_literal(f"pack: {out_dir}"), highlight=False)
+    err.print(literal(packing.summary(manifest)), highlight=False)
+    out.print(literal(f"pack: {out_dir}"), highlight=False)
 
 
 @app.command()

@@ -19,6 +19,7 @@ a FIFO planted under a ``.parquet`` name would otherwise block its reader foreve
 
 from __future__ import annotations
 
+import gc
 import glob
 import os
 import stat
@@ -33,8 +34,13 @@ from .sources import NO_LABEL, PARQUET_ROW, SampleIndex, open_data_file
 
 CACHE_BYTES = 64 << 20  # decoded image columns of row groups kept per reader
 OPEN_FILES = 32  # open ParquetFile objects kept per reader
+# and at most this much of their footers (a few KB each, for real files): pyarrow holds ~8 times
+# a footer's size, and 10**5 row groups of one row make a 25 MB footer (190 MB a file open).
+FOOTER_BYTES = 4 << 20
 _CHUNKS = 4096  # page tables kept per reader (a few hundred bytes each)
-_IMAGE_TYPES = "binary, large_binary, or a struct with a binary 'bytes' field (Hugging Face datasets' Image)"
+_IMAGE_TYPES = (
+    "binary (large, view or dictionary-encoded too), or a struct with such a 'bytes' field (Hugging Face's Image)"
+)
 
 
 def _pyarrow():
@@ -209,7 +215,14 @@ def _images_in(pa, t) -> tuple[bool, str | None]:
     child = None
     if pa.types.is_struct(t) and t.get_field_index("bytes") >= 0:
         child, t = "bytes", t.field("bytes").type
-    return pa.types.is_binary(t) or pa.types.is_large_binary(t), child
+    return _is_bytes(pa, t), child
+
+
+def _is_bytes(pa, t) -> bool:
+    """Whether an Arrow type is a binary layout pyarrow stores as a Parquet byte array (or a dictionary of one)."""
+    t = t.value_type if pa.types.is_dictionary(t) else t
+    view = getattr(pa.types, "is_binary_view", lambda _: False)  # pyarrow 16 on
+    return pa.types.is_binary(t) or pa.types.is_large_binary(t) or view(t)
 
 
 def _image_leaf(pa, pf, column: str) -> int | None:
@@ -255,6 +268,7 @@ class ParquetRows:
         self.cache_bytes, self.pages = cache_bytes, pages
         self.open_files = open_files
         self.cached_bytes = 0
+        self._footer_bytes = self._closed_footer_bytes = 0  # serialized: the open files', and those closed since a gc
         self._groups: OrderedDict[tuple[str, str, int], object] = OrderedDict()  # -> a binary pyarrow Array
         # path -> (ParquetFile, identity, {column: its leaf, or None}, fd for parquetpages or None)
         self._files: OrderedDict[str, tuple] = OrderedDict()
@@ -398,7 +412,7 @@ class ParquetRows:
             )
         if pa.types.is_struct(images.type):
             images = images.flatten()[0]  # flatten, not .field(): a null struct makes its bytes null too
-        if not (pa.types.is_binary(images.type) or pa.types.is_large_binary(images.type)):
+        if not _is_bytes(pa, images.type):
             raise ValueError(f"{_shown(path)}: column {column!r} read back as {images.type}, not binary")
         size = images.get_total_buffer_size()
         self._make_room(size)
@@ -430,14 +444,23 @@ class ParquetRows:
         except _Unreadable as exc:
             raise ValueError(f"{_shown(path)} {exc}; it changed since indexing") from None
         self._files[path] = entry = (pf, identity, {}, _page_fd(path, identity))
-        if len(self._files) > self.open_files:
-            self._forget(next(iter(self._files)))
+        self._footer_bytes += pf.metadata.serialized_size
+        while len(self._files) > 1 and (len(self._files) > self.open_files or self._footer_bytes > FOOTER_BYTES):
+            self._forget(next(iter(self._files)))  # the newest is kept, whatever its footer
         return entry
 
     def _forget(self, path: str) -> None:
         entry = self._files.pop(path, None)
         if entry is not None:
+            size = entry[0].metadata.serialized_size
+            self._footer_bytes, self._closed_footer_bytes = self._footer_bytes - size, self._closed_footer_bytes + size
             _close(entry)
+        if self._closed_footer_bytes > FOOTER_BYTES:
+            # pyarrow's FileMetaData and its ParquetSchema refer to each other: a closed file's
+            # footer is freed by the cycle collector alone, which runs by counts of Python objects,
+            # blind to the ~8x of a footer they hold (60 reopens of 685 KB footers: 1 GB held).
+            self._closed_footer_bytes = 0
+            gc.collect()
         for key in [k for k in self._groups if k[0] == path]:
             self.cached_bytes -= self._groups.pop(key).get_total_buffer_size()
         for key in [k for k in self._decoded if k[0] == path]:
@@ -450,6 +473,7 @@ class ParquetRows:
         """Close every open file and drop every cached row group."""
         while self._files:
             _close(self._files.popitem()[1])
+        self._footer_bytes = 0
         self._groups.clear()
         self._chunks.clear()
         self._decoded.clear()

@@ -115,6 +115,8 @@ class WorkerPool:
             "plasma_dir": tempfile.gettempdir(),
             "ray_temp": self._private_ray_folder() if cfg.ray_address == "local" else None,
         }
+        if self._ray_folder is not None and self._ray_folder.parent != self.job.paths.dir:
+            options["ray_folder_elsewhere"] = str(self._ray_folder)  # the bridge's guard removes it after a kill -9
         process = ctx.Process(
             target=bridge_main,
             args=(self._spec_json, [child for _, child in pipes], cfg.worker_nice, options),

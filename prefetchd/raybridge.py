@@ -7,8 +7,8 @@ back is that batch of this plan (its header, plan digest, layout, size and CRC) 
 into the node's tmpfs as a local worker does: written to ``tmp/``, linked into ``batches/``.
 
 The cluster's code runs here, in Ray's driver: the bridge joins only a cluster of the user's own
-(raycluster.resolve_address: ``auto`` never means another user's), and takes every result as
-RAW bytes past Ray's deserialiser (raycluster.get_plain), a JSON report checked field by field
+(rayaddress.resolve_address: ``auto`` never means another user's), and takes every result as
+RAW bytes past Ray's deserialiser (rayresults.get_plain), a JSON report checked field by field
 and a batch file checked byte by byte; nothing from the cluster is unpickled by prefetchd's code.
 
 Ray stays out of the master: a driver that loses its cluster may be ended by Ray itself, and
@@ -32,7 +32,7 @@ import psutil
 
 from prefetchd_client.batchfile import BatchFormatError, read_batch, write_batch_file
 
-from . import raycluster, raytask
+from . import rayaddress, raycluster, rayresults, raytask
 from .messages import BootFailed, Done, ExecutorLost, Failed, Produce, Ready, decode, encode
 from .producer import BatchProducer, ProducerSpec, SampleProgress, publish, tmp_path, why_not_this_batch
 from .worker import _die_with_the_master, _send, _send_heartbeats
@@ -96,10 +96,11 @@ def _leave_ray() -> None:
 
 
 _GUARD = """
-import os, signal, sys
+import os, shutil, signal, stat, sys
 import psutil
 sys.stdin.buffer.read()  # end of file: the bridge is gone, killed or not
-for item in sys.argv[1:]:
+folder, started = sys.argv[1], sys.argv[2:]
+for item in started:
     pid, born = item.split(":")
     try:
         p = psutil.Process(int(pid))
@@ -107,27 +108,43 @@ for item in sys.argv[1:]:
             p.kill()
     except (psutil.Error, OSError):
         pass
+try:  # ours, a folder, closed to others: the pool may have removed it and another user made one
+    st = os.lstat(folder) if folder else None  # of that name since (ours stays ours: /tmp is sticky)
+except OSError:
+    st = None
+if st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
+    from prefetchd.raybridge import end_processes_using
+    end_processes_using(folder)  # the workers the raylet started after the guard did
+    shutil.rmtree(folder, ignore_errors=True)
 """
 
 
-def _guard_private_instance():
+def _guard_private_instance(folder_elsewhere: str | None):
     """A private instance's raylet dies with the bridge, but its agents then wait a minute on the
     dead GCS before they exit: a small process kills what this bridge started once it is gone
-    (a kill -9 of the master or the bridge included)."""
+    (a kill -9 of the master or the bridge included). ``folder_elsewhere``: the instance's fresh
+    folder outside the job's (a job path too long for Ray's sockets), which the guard removes
+    then: no later start or stop knows its name. A folder in the job's is left to the next start
+    there (removed now, it might be that start's)."""
     import subprocess
     import sys
 
     started = [f"{p.pid}:{p.create_time()}" for p in psutil.Process().children(recursive=True)]
-    return subprocess.Popen([sys.executable, "-c", _GUARD, *started], stdin=subprocess.PIPE, close_fds=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", _GUARD, folder_elsewhere or "", *started], stdin=subprocess.PIPE, close_fds=True
+    )
 
 
 def processes_using(folder: str) -> list[psutil.Process]:
-    """This user's processes that hold a file open under ``folder``: what Ray says its own
-    processes are. Every process of a Ray instance (GCS, raylet, its agents, its workers, the
-    driver) has its stdout and stderr in the session's logs/ from its first instruction; their
+    """This user's processes of the private instance in ``folder``: those that hold a file open
+    under it and carry its mark (raycluster.instance_mark) in their environment. Every process
+    of a Ray instance (GCS, raylet, its agents, its workers) holds its logs open there; their
     titles (ray::IDLE, ray::DashboardAgent) and parents (re-parented once the raylet dies) are
-    not to be trusted, a private folder of this user's is: no one else can open a file in it."""
-    prefix = os.path.join(os.path.realpath(os.path.dirname(folder)), os.path.basename(folder), "")  # not its link
+    not to be trusted, a private folder of this user's is: no one else can open a file in it.
+    The mark spares the user's own processes that read Ray's logs there (`tail -f`, `less`)."""
+    ((name, value),) = raycluster.instance_mark(folder).items()
+    mark = os.fsencode(f"{name}={value}")
+    prefix = os.path.join(value, "")  # the folder itself, not where a link of that name points
     uid, me, found = os.getuid(), os.getpid(), []
     for p in psutil.process_iter(["uids"]):
         uids = p.info["uids"]
@@ -143,9 +160,20 @@ def processes_using(folder: str) -> list[psutil.Process]:
             except OSError:
                 continue
             if target.startswith(prefix):
-                found.append(p)
+                if mark in _environment(p.pid):
+                    found.append(p)
                 break
     return found
+
+
+def _environment(pid: int) -> list[bytes]:
+    """The NAME=VALUE entries a process started with (/proc/<pid>/environ: set at its exec, not
+    changed by what it does later); [] when it is gone or not readable."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            return f.read().split(b"\0")
+    except OSError:
+        return []
 
 
 def end_processes_using(folder: str, timeout_s: float = _END_TIMEOUT_S) -> list[int]:
@@ -175,13 +203,13 @@ class Bridge:
         self.spec = ProducerSpec.from_json(json.loads(spec_json))
         self.local = BatchProducer(self.spec)  # this node's layout, and its fingerprint to match
         self.expected = self.local.fingerprint()
-        self.address = raycluster.resolve_address(options["address"])  # before Ray can resolve "auto" its own way
+        self.address = rayaddress.resolve_address(options["address"])  # before Ray can resolve "auto" its own way
         self.demand = {"CPU": 1.0, **options["resources"]}
         self.timeout_s = options["worker_timeout"]
         self.deadline_s = options["worker_timeout"] * self.local.plan.batch_size + _TASK_SLACK_S
         raycluster.connect(ray, self.address, options, self._connect_timed_out)
         if self.address == "local":
-            self.guard = _guard_private_instance()
+            self.guard = _guard_private_instance(options.get("ray_folder_elsewhere"))
         index = self.local.index
         self.index_ref = ray.put(  # sent once, not with every task
             (index.paths, index.offsets, index.labels, index.kinds, index.members)
@@ -229,8 +257,8 @@ class Bridge:
         deadline = time.monotonic() + self.deadline_s
         while True:
             try:
-                report_bytes, data = raycluster.get_plain(self.ray, refs, timeout_s=1.0)
-                report = raycluster.task_report(report_bytes)
+                report_bytes, data = rayresults.get_plain(self.ray, refs, timeout_s=1.0)
+                report = rayresults.task_report(report_bytes)
                 break
             except self.ray.exceptions.GetTimeoutError:
                 # Waiting on Ray is not a hang of this process: the task's own watchdog (raytask)
@@ -239,7 +267,7 @@ class Bridge:
                 if time.monotonic() > deadline:
                     self.ray.cancel(refs[0], force=True)
                     return Failed(e, k, r, f"the Ray task made no batch in {self.deadline_s:.0f} s", False, False)
-            except raycluster.NotPlainData as exc:  # not what prefetchd's task returns: refused unread
+            except rayresults.NotPlainData as exc:  # not what prefetchd's task returns: refused unread
                 return Failed(e, k, r, f"on Ray: {raycluster.first_line(exc)}", False, False)
             except Exception as exc:  # the Ray worker died (killed, OOM, its watchdog), or the cluster went
                 return Failed(e, k, r, f"on Ray: {type(exc).__name__}: {raycluster.first_line(exc)}", False, False)

@@ -1,30 +1,26 @@
-"""The Ray cluster as the bridge sees it: which cluster (only one of the user's own), connecting,
-what comes back from it (plain bytes, never unpickled), the nodes that can run the tasks, and the
-check that each decodes as this node does. Ray is imported by the caller (the bridge process);
-the functions that find a cluster or read Ray's logs need no Ray and run in the master too.
+"""The Ray cluster as the bridge sees it: connecting, a private instance's folder, processes and
+own words, the nodes that can run the tasks, and the check that each decodes as this node does.
+Ray is imported by the caller (the bridge process); the functions that read Ray's logs need no
+Ray and run in the master too.
 
 Connecting to a Ray cluster means running code the cluster sends: Ray's driver (the bridge)
 deserialises what the cluster returns with pickle whenever the object says so, and the object's
 metadata is written by the node that made it. So the bridge joins only a cluster of the user's
-own (``resolve_address``), and reads every result past Ray's deserialiser (``get_plain``).
+own (``rayaddress``), and reads every result past Ray's deserialiser (``rayresults``).
 """
 
 from __future__ import annotations
 
-import ipaddress
-import json
 import logging
 import os
 import re
-import socket
 import threading
 from pathlib import Path
-
-import psutil
 
 from prefetchd_client.text import printable
 
 from . import raytask
+from .rayresults import fingerprint_report, get_plain
 
 CALL_TIMEOUT_S = 60.0  # a Ray call that does not return by then: the cluster is not answering
 CONNECT_TIMEOUT_S = 45.0  # ray.init retries a refused GCS port forever: the start must fail before its deadline
@@ -32,245 +28,6 @@ CONNECT_TIMEOUT_S = 45.0  # ray.init retries a refused GCS port forever: the sta
 
 class RayBootError(Exception):
     """The cluster cannot be used for this job; the message says why and what to do."""
-
-
-class NotPlainData(Exception):
-    """A task's result is not the plain bytes prefetchd's tasks return; it was not read."""
-
-
-class RayTaskFailed(Exception):
-    """Ray reports the task failed (its worker died, the task raised); the message is Ray's."""
-
-
-# -- which cluster: only one of the user's own ---------------------------------------------------
-#
-# Ray's own "auto" takes $RAY_ADDRESS, then /tmp/ray/ray_current_cluster (written by whoever ran
-# `ray start` last, any user), then any raylet in the process table whatever its owner. Here it is
-# resolved before Ray sees it, and Ray is handed the concrete address.
-
-_LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp
-
-
-def resolve_address(address: str, environ=os.environ) -> str:
-    """The address to hand Ray for ``--ray-address``: ``local``, or a concrete HOST:PORT (or
-    ray://...). RayBootError when it would be a cluster of another user's on this node.
-
-    ``auto``: $RAY_ADDRESS when set (the user's own choice), else the one cluster whose raylet on
-    this node runs as this user. An address that names this node is accepted only when the port's
-    listener is this user's (or root's): a head of the user's that died may have left its port to
-    another user's."""
-    if address == "auto":
-        chosen = environ.get("RAY_ADDRESS", "").strip()
-        if chosen and chosen != "auto":
-            return chosen if chosen == "local" else check_owner(chosen, "$RAY_ADDRESS")
-        return check_owner(_own_cluster(), "--ray-address auto")
-    if address == "local":
-        return address
-    return check_owner(address, "--ray-address")
-
-
-def _own_cluster() -> str:
-    uid = os.getuid()
-    mine, others = set(), set()
-    for owner, gcs in _raylets():
-        if owner == uid:
-            mine.add(gcs)
-        else:
-            others.add(owner)
-    if len(mine) == 1:
-        return next(iter(mine))
-    if mine:
-        raise RayBootError(
-            f"--ray-address auto: several Ray clusters of yours run on this node ({', '.join(sorted(mine))}); "
-            "pass --ray-address HOST:PORT of the one to use"
-        )
-    uids = ", ".join(map(str, sorted(others)))
-    theirs = f" (Ray runs here as uid {uids}: another user's cluster, never joined: its code would run as you)"
-    theirs = theirs if others else ""
-    raise RayBootError(
-        f"--ray-address auto found no Ray cluster of yours on this node{theirs}. Start your own (`ray start --head`), "
-        "or pass --ray-address HOST:PORT (or set RAY_ADDRESS) of a cluster you trust, or use --ray-address local"
-    )
-
-
-def _raylets() -> list[tuple[int, str]]:
-    """(owner uid, GCS address) of each raylet on this node: a head's and a worker node's alike
-    (`ray start` runs one; its command line names the cluster's GCS)."""
-    found = []
-    for p in psutil.process_iter(["uids", "cmdline"]):
-        cmdline, uids = p.info["cmdline"], p.info["uids"]
-        if not cmdline or uids is None or os.path.basename(cmdline[0]) != "raylet":
-            continue
-        gcs = next((a.split("=", 1)[1] for a in cmdline if a.startswith("--gcs-address=")), None)
-        if gcs and uids.real == uids.effective:
-            found.append((uids.real, gcs))
-    return found
-
-
-def check_owner(address: str, what: str) -> str:
-    """``address`` as given, once a listener on this node at its port, if any, is this user's
-    (or root's): RayBootError naming the owner otherwise. An address on another machine cannot
-    be checked from here: it is the user's word."""
-    host, port = _host_port(address)
-    if host is None:
-        raise RayBootError(f"{what} {address!r} is not HOST:PORT (nor auto or local)")
-    if not _is_this_node(host):
-        return address
-    strangers = sorted(_listeners(port) - {os.getuid(), 0})  # root's: root can run code as anyone anyway
-    if strangers:
-        raise RayBootError(
-            f"{what} {address} is a Ray cluster of another user (port {port} on this node is uid "
-            f"{', '.join(map(str, strangers))}'s, not yours, uid {os.getuid()}): joining it would run its code as you. "
-            "Start your own (`ray start --head --port P`) and pass its address, or use --ray-address local"
-        )
-    return address
-
-
-def _host_port(address: str) -> tuple[str | None, int]:
-    rest = address.split("://", 1)[1] if "://" in address else address
-    match = re.fullmatch(r"\[?([^\[\]/]+?)\]?:(\d{1,5})", rest)
-    if match is None or not 0 < int(match[2]) < 65536:
-        return None, 0
-    return match[1], int(match[2])
-
-
-def _is_this_node(host: str) -> bool:
-    try:
-        found = {info[4][0].split("%")[0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
-    except (OSError, UnicodeError):
-        return False  # Ray's connect says so, with its own words
-    here = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
-    return any(ip in here or ipaddress.ip_address(ip).is_loopback for ip in found)
-
-
-def _listeners(port: int) -> set[int]:
-    """The uids of the sockets listening on TCP ``port`` on this node (this network namespace)."""
-    uids = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            fields = row.split()  # sl local_address rem_address st tx:rx tr:when retrnsmt uid ...
-            if len(fields) > 7 and fields[3] == _LISTEN and int(fields[1].rsplit(":", 1)[1], 16) == port:
-                uids.add(int(fields[7]))
-    return uids
-
-
-# -- what comes back: plain bytes, read past Ray's deserialiser -----------------------------------
-#
-# ray.get deserialises by the object's metadata, which the node that made it writes: "PYTHON"
-# runs pickle.loads on the payload (cloudpickle: any code), "XLANG" msgpack, an error type a
-# pickled exception, "RAW" none: a task that returns ``bytes`` is stored RAW and read back as
-# those bytes. ``get_plain`` takes the serialised object from Ray's core worker and accepts RAW
-# alone; an error object yields its type's name and the text Ray recorded (protobuf fields), never
-# the pickled exception beside it.
-
-MAX_REPORT_BYTES = 1 << 20  # a task's JSON report: counts and a few error texts, far below this
-_RAW = b"RAW"
-
-
-def get_plain(ray, refs: list, timeout_s: float) -> list:
-    """The bytes (a memoryview, zero-copy: it keeps the object pinned) each task result in
-    ``refs`` holds; NotPlainData for a result that is not RAW bytes, RayTaskFailed for a task
-    Ray reports failed, Ray's GetTimeoutError after ``timeout_s``."""
-    core = ray._private.worker.global_worker.core_worker
-    objects = core.get_objects(refs, int(timeout_s * 1000))
-    values = []
-    for data, metadata, *_ in objects:
-        metadata = bytes(metadata or b"")
-        kind = metadata.split(b",")[0]
-        if kind == _RAW:
-            values.append(memoryview(data) if data is not None else memoryview(b""))
-        elif kind.isdigit() and len(kind) < 10:
-            raise RayTaskFailed(_error_text(int(kind), data))
-        else:
-            raise NotPlainData(
-                f"a Ray task returned a {kind[:40].decode('ascii', 'replace')!r} object where prefetchd's tasks return "
-                "bytes: refused unread (Ray would have unpickled it). Is the cluster running prefetchd's code?"
-            )
-    return values
-
-
-def _error_text(error_type: int, data) -> str:
-    """'WORKER_DIED', or 'TASK_EXECUTION_EXCEPTION: <Ray's formatted text>': the protobuf that Ray
-    wraps in msgpack, read for its text fields; the pickled exception in it is not touched."""
-    from ray._raylet import MessagePackSerializer, split_buffer
-    from ray.core.generated.common_pb2 import ErrorType, RayErrorInfo, RayException
-
-    try:
-        name = ErrorType.Name(error_type)
-    except ValueError:
-        return f"Ray error type {error_type}"
-    if not data:
-        return name
-
-    def refuse(index):
-        raise NotPlainData("a Ray error object carries a Python object")
-
-    try:
-        packed, _pickled = split_buffer(data)  # the pickled part is never read
-        raw = MessagePackSerializer.loads(packed, refuse)
-        if not isinstance(raw, bytes):
-            return name
-        if name in ("TASK_EXECUTION_EXCEPTION", "TASK_CANCELLED"):
-            text = RayException.FromString(raw).formatted_exception_string
-        else:
-            text = RayErrorInfo.FromString(raw).error_message
-    except Exception:
-        return name
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return f"{name}: {lines[-1][:500]}" if lines else name
-
-
-def plain_json(raw, what: str) -> dict:
-    """The JSON object in ``raw`` (bytes from a Ray task), or NotPlainData saying why not."""
-    if len(raw) > MAX_REPORT_BYTES:
-        raise NotPlainData(f"{what} from Ray is {len(raw)} bytes, more than {MAX_REPORT_BYTES}")
-    try:
-        obj = json.loads(bytes(raw))
-    except (ValueError, RecursionError) as exc:
-        raise NotPlainData(f"{what} from Ray is not JSON ({type(exc).__name__})") from None
-    if not isinstance(obj, dict):
-        raise NotPlainData(f"{what} from Ray is not a JSON object")
-    return obj
-
-
-def task_report(raw) -> dict:
-    """make_batch's report, each field of the type it must have (raytask.make_batch lists them);
-    the lists' items are checked where the result becomes a message (messages.decode)."""
-    report = plain_json(raw, "a task's report")
-    if report.get("ok") is True:
-        _require(report, {"ok": bool, "per_source": list, "replaced": list, "longest_bad_run": int})
-    elif "mismatch" in report:
-        _require(report, {"ok": bool, "mismatch": dict})
-        _require_text_values(report["mismatch"], "mismatch")
-    else:
-        _require(report, {"ok": bool, "sample": bool, "error": str})
-    return report
-
-
-def fingerprint_report(raw) -> tuple[str, dict]:
-    report = plain_json(raw, "a node's fingerprint")
-    _require(report, {"fingerprint": str, "facts": dict})
-    _require_text_values(report["facts"], "facts")
-    return report["fingerprint"], report["facts"]
-
-
-def _require(obj: dict, fields: dict) -> None:
-    if set(obj) != set(fields):
-        raise NotPlainData(f"a report from Ray has the fields {sorted(obj)[:10]}, not {sorted(fields)}")
-    for name, kind in fields.items():
-        value = obj[name]
-        if type(value) is not kind:  # bool is not an int here, nor an int a bool
-            raise NotPlainData(f"a report from Ray has {name} = {str(value)[:80]!r}, not a {kind.__name__}")
-
-
-def _require_text_values(obj: dict, what: str) -> None:
-    if len(obj) > 64 or not all(isinstance(v, str) and len(v) <= 4096 or v is None for v in obj.values()):
-        raise NotPlainData(f"a report from Ray has a {what} that is not a few names and texts")
 
 
 # -- a private instance (--ray-address local): its folder, its processes, its own words ----------
@@ -285,6 +42,19 @@ SOCKET_SUFFIX_BYTES = len("/session_2026-11-26_04-26-43_976988_1234567") + len("
 _REASON = re.compile(
     r"^\[[^\]]* [EFC] \d+ \d+\]|\b\w*(Error|Exception)\b:|\bERROR\b|Permission denied|Check failed|No space left"
 )
+
+
+# Every process of a private instance carries this in its environment: the bridge sets it before
+# ray.init starts the GCS and the raylet, and they pass their environment on to the agents and
+# workers (measured with Ray 2.60: 8 of 8 processes). A process of the user's that merely holds
+# a file in the folder (`tail -f` of Ray's log) does not: the clean-up leaves it alone.
+INSTANCE_MARK = "PREFETCHD_RAY_INSTANCE"
+
+
+def instance_mark(folder: str) -> dict[str, str]:
+    """The environment entry of the processes of the private instance in ``folder`` (its 0700
+    folder, whose ``s`` Ray takes as its temp folder), the folder named as the clean-up names it."""
+    return {INSTANCE_MARK: os.path.join(os.path.realpath(os.path.dirname(folder)), os.path.basename(folder))}
 
 
 def fits_ray_sockets(temp_dir: str) -> bool:
@@ -364,6 +134,7 @@ def connect(ray, address: str, options: dict, on_timeout) -> None:
     quiet = {"log_to_driver": False, "logging_level": logging.WARNING}
     temp_dir = options.get("ray_temp") if address == "local" else None
     if address == "local":  # a private instance: its object store off the tmpfs, sized to what is in flight
+        os.environ.update(instance_mark(os.path.dirname(temp_dir)))  # inherited by every process ray.init starts
         kwargs = dict(
             address="local",  # not None: Ray would take $RAY_ADDRESS or <temp>/ray_current_cluster then
             num_cpus=options["local_cpus"],

@@ -49,6 +49,7 @@ _WDS_META = re.compile(r"__[^/]*__($|/)")
 _NO_IMAGE = 1  # -1: the sample has no image member (header 0: none)
 _BY_HEADER = 2  # read as its header defines it: a sparse member (tar --sparse), or one whose size overruns its data
 _REPEATS = 3  # a member's extension repeats within the sample (WebDataset: "duplicate file name")
+_REGULAR = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)  # tarfile's regular types but sparse
 _RANGE = re.compile(r"\{(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?\}")
 
 
@@ -125,8 +126,10 @@ def _index_tar(shard: str, label_key: str | None, where: str) -> np.ndarray:
                     # tar.offset is where tarfile reads the next header. A negative size (a pax
                     # header may say so) sends it back over the same member for ever (CPython's
                     # CVE-2025-8194): it must move forward. Not offset_data + size: a sparse
-                    # member's size is its expanded size, more than the data it stores.
-                    if member is not None and (member.size < 0 or tar.offset <= member.offset):
+                    # member's size is its expanded size, more than the data it stores. A size
+                    # that is not one (GNU.sparse.size=-5) where the offset still moves forward
+                    # is that member's fault alone: webdataset reads on, and so does this.
+                    if member is not None and tar.offset <= member.offset:
                         raise tarfile.ReadError(f"a member at byte {member.offset} goes backwards")
                 except (tarfile.ReadError, OSError, ValueError, OverflowError, RecursionError) as exc:
                     # truncated or damaged past here: keep what came before. RecursionError:
@@ -160,9 +163,10 @@ def _index_tar(shard: str, label_key: str | None, where: str) -> np.ndarray:
                 if row[3] < 0:  # a sample already refused: nothing more is looked at
                     continue
                 if ext in IMAGE_KEYS and IMAGE_KEYS.index(ext) < row[3]:
-                    plain = not member.issparse() and member.offset_data + member.size <= tar.offset
+                    # plain: one pread at its offset, vouched for by its own header just before
+                    plain = _plain_member(f.fileno(), member, tar.offset)
                     row[0] = member.offset_data if plain else -(member.offset + _BY_HEADER)
-                    row[1], row[3] = member.size, IMAGE_KEYS.index(ext)
+                    row[1], row[3] = _size_column(member.size), IMAGE_KEYS.index(ext)
                 elif (ext == "cls" and label_key is None) or (ext == "json" and label_key is not None):
                     row[2] = _label(f.fileno(), member, tar.offset, label_key)
     except (tarfile.TarError, OSError, ValueError, RecursionError) as exc:
@@ -179,6 +183,43 @@ def _index_tar(shard: str, label_key: str | None, where: str) -> np.ndarray:
             offset,
         )
     return np.asarray(rows, dtype=np.int64).reshape(-1, 4)[:, :3].copy()
+
+
+def _size_column(size: int) -> int:
+    """A member's size as the index keeps it: a pax size past 2**62 (not an int64) as 2**62, a
+    negative one (which the cache would refuse, indexing the shard at every start) as 0; the
+    read refuses such a member by its real size."""
+    return min(max(size, 0), 1 << 62)
+
+
+def _plain_member(fd: int, member: tarfile.TarInfo, next_header: int) -> bool:
+    """Whether a member is read with one pread at its offset: a regular member whose data lies
+    before the next header and whose own header block, just before its data, says its size
+    (a pax size that overrides it is read by its header instead)."""
+    if member.issparse() or not 0 <= member.size <= next_header - member.offset_data:
+        return False
+    try:
+        return _header_vouches(os.pread(fd, tarfile.BLOCKSIZE, member.offset_data - tarfile.BLOCKSIZE), member.size)
+    except OSError:
+        return False
+
+
+def _header_vouches(block: bytes, size: int) -> bool:
+    """Whether ``block`` is a regular member's tar header (its checksum right) of ``size`` bytes.
+    A shard rewritten in place after indexing, its size and mtime kept (a worker's reads check
+    no identity), moves its members: an offset of the index then lies inside another member, or
+    after the header of one of another size."""
+    try:
+        if len(block) != tarfile.BLOCKSIZE or block[156:157] not in _REGULAR:
+            return False
+        if tarfile.nti(block[124:136]) != size:
+            return False
+        stored = tarfile.nti(block[148:156])
+    except (tarfile.HeaderError, ValueError):
+        return False
+    # The bytes' sum, the checksum's own 8 read as spaces: what tarfile.calc_chksums computes, at a
+    # tenth of its cost a read; then the signed sum that some old tars wrote.
+    return stored == sum(block) - sum(block[148:156]) + 256 or stored in tarfile.calc_chksums(block)
 
 
 def _key_ext(name: str) -> tuple[str, str] | None:
@@ -241,6 +282,8 @@ def _member_bytes(fd: int, member: tarfile.TarInfo, next_header: int) -> bytes:
     must be in order, inside the file and hold no more than the member stores (up to
     ``next_header``, where tarfile reads the next header); GNU's unused map slots read (0, 0)."""
     bound = _MAX_SPARSE_BYTES if member.issparse() else _MAX_IMAGE_BYTES
+    if member.size < 0:
+        raise ValueError(f"its header gives it a size of {member.size}, which is not one")
     if member.size > bound:
         raise ValueError(f"it expands to {member.size:,} bytes, more than prefetchd reads for an image ({bound:,})")
     if not member.issparse():
@@ -310,10 +353,18 @@ class TarMembers:
         if offset >= 0:
             if size > _MAX_IMAGE_BYTES:
                 raise ValueError(f"the image member has {size:,} bytes, more than any image ({_MAX_IMAGE_BYTES:,})")
-            data = os.pread(self._fd(shard), size, offset)
-            if len(data) != size:
-                raise ValueError(f"the shard ends {size - len(data)} bytes into the image member: truncated")
-            return data
+            if offset < tarfile.BLOCKSIZE:
+                raise ValueError(f"the index places an image member at byte {offset}, before any header could end")
+            data = os.pread(self._fd(shard), tarfile.BLOCKSIZE + size, offset - tarfile.BLOCKSIZE)
+            if len(data) != tarfile.BLOCKSIZE + size:
+                missing = tarfile.BLOCKSIZE + size - len(data)
+                raise ValueError(f"the shard ends {missing} bytes into the image member: truncated")
+            if not _header_vouches(data[: tarfile.BLOCKSIZE], size):  # its own header, read in the same pread
+                raise ValueError(
+                    f"the block before byte {offset} is no longer the header of a {size}-byte member: "
+                    "the shard has changed since it was indexed (rewritten in place?); start again to index it"
+                )
+            return data[tarfile.BLOCKSIZE :]
         header, reason = _marked(offset)
         if reason == _NO_IMAGE:
             raise ValueError(f"the sample has no image member ({', '.join('.' + k for k in IMAGE_KEYS)})")
@@ -327,7 +378,7 @@ class TarMembers:
                 "which image goes with which label is not known, so neither is served (webdataset: "
                 "'duplicate file name')"
             )
-        if reason != _BY_HEADER or member.size != size:
+        if reason != _BY_HEADER or _size_column(member.size) != size:
             raise ValueError(f"the index does not match the member at byte {header} any more; has the shard changed?")
         try:
             return _member_bytes(fd, member, next_header)

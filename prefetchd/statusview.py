@@ -75,7 +75,8 @@ def watch(fetch: Callable[[], list[dict]], console: Console, interval_s: float =
 
 
 def _job(s: dict, live: bool):
-    yield Text.from_markup(f"[bold]{escape(s['job'])}[/]: {escape(s['state'])}  ({escape(s['job_dir'])})")
+    # emoji=False: ":fire:" in a job folder's path is text, not an emoji code
+    yield Text.from_markup(f"[bold]{escape(s['job'])}[/]: {escape(s['state'])}  ({escape(s['job_dir'])})", emoji=False)
     if "error" in s:
         yield Text(f"  {s['error']}")
     if s["state"] == "stopped":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import sys
@@ -354,3 +355,73 @@ def test_start_serves_the_label_column_of_that_name_beside_a_struct_of_the_same_
     assert refused.returncode == 3, refused.stderr
     assert "label_column 'y' is struct<z: int64>, not an integer type" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def _files_of_big_footers(folder, n: int) -> list[str]:
+    """``n`` copies of a file of 5,000 row groups of one row (a footer of 685 KB)."""
+    table = pa.table({"image": pa.array([b"i%d" % i for i in range(5000)]), "label": pa.array(np.arange(5000) % 10)})
+    pq.write_table(table, folder / "f00.parquet", row_group_size=1, write_statistics=False)
+    data = (folder / "f00.parquet").read_bytes()
+    assert pq.ParquetFile(folder / "f00.parquet").metadata.serialized_size > 600_000
+    for i in range(1, n):
+        (folder / f"f{i:02d}.parquet").write_bytes(data)
+    return [str(folder / f"f{i:02d}.parquet") for i in range(n)]
+
+
+def test_files_of_huge_footers_are_not_all_kept_open(tmp_path):
+    """A footer of thousands of row groups costs pyarrow ~8 times its size in memory (10**5 row
+    groups of one row: a 25 MB footer, 190 MB a file): a reader kept 32 such files open, 6 GB."""
+    _files_of_big_footers(tmp_path, 12)
+    reader, before = ParquetRows(), len(os.listdir("/proc/self/fd"))
+    try:
+        for n in range(12):
+            assert reader.read(str(tmp_path / f"f{n:02d}.parquet"), 7 + n, 0, "image") == b"i%d" % (7 + n)
+        held = len(os.listdir("/proc/self/fd")) - before
+        assert held <= 2 * 6, f"{held} fds held for 12 files of 685 KB footers"  # at most 4 MiB of footers
+    finally:
+        reader.close()
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+@pytest.mark.parametrize("pages", [True, False], ids=["pages", "row groups"])
+@pytest.mark.parametrize("kind", ["binary_view", "dictionary", "dictionary of a struct's bytes"])
+def test_image_columns_pyarrow_writes_as_plain_byte_arrays_are_read(tmp_path, kind, pages):
+    """pyarrow stores a binary_view or a dictionary-encoded binary column as a Parquet byte array
+    and says so in the file's Arrow schema: they were refused as "not binary"."""
+    images = jpegs(12)
+    image = {
+        "binary_view": pa.array(images, pa.binary_view()),
+        "dictionary": pa.array(images * 2).dictionary_encode(),
+        "dictionary of a struct's bytes": pa.StructArray.from_arrays(
+            [pa.array(images * 2).dictionary_encode(), pa.array(["p"] * 24)], ["bytes", "path"]
+        ),
+    }[kind]
+    labels = list(range(len(image)))
+    path = tmp_path / "x.parquet"
+    pq.write_table(pa.table({"image": image, "label": labels}), path, row_group_size=5)
+    index = scan_parquet(source(path), WHERE)
+    reader = ParquetRows(pages=pages)
+    try:
+        assert read_all(index, reader, reversed(labels)) == {i: images[i % 12] for i in labels}
+    finally:
+        reader.close()
+
+
+def test_the_footers_of_closed_files_are_freed(tmp_path):
+    """pyarrow's FileMetaData and its ParquetSchema refer to each other: a closed file's footer is
+    freed by the cycle collector alone, which runs by counts of Python objects, blind to the
+    memory they hold. A reader cycling over more files than it keeps open held them all: 60
+    reopens of 685 KB footers, RSS +1 GB."""
+    files = _files_of_big_footers(tmp_path, 4)
+    reader = ParquetRows(open_files=2)
+    gc.collect()
+    gc.disable()  # as in a worker between its rare full collections: deterministic here
+    try:
+        for _ in range(5):
+            for n, path in enumerate(files):
+                assert reader.read(path, n, 0, "image") == b"i%d" % n
+        held = sum(type(o).__name__ == "FileMetaData" for o in gc.get_objects())
+    finally:
+        gc.enable()
+        reader.close()
+    assert held <= 2 + 8, f"{held} footers held for 2 open files after 20 opens"  # 4 MiB of closed ones at most

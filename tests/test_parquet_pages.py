@@ -179,6 +179,13 @@ def _prefix_at(data: bytes, value: bytes) -> int:
     return at
 
 
+def _write_uncompressed(path, images: list[bytes], **options) -> None:
+    """``images`` labelled 0, 1, ...: uncompressed PLAIN pages without statistics, so that each
+    value's bytes lie in the file as they are."""
+    table = pa.table({"image": images, "label": list(range(len(images)))})
+    pq.write_table(table, path, compression="none", use_dictionary=False, write_statistics=False, **options)
+
+
 def _outcomes(path, order) -> dict[int, bytes | str]:
     """Each row's bytes, or the text of the ValueError its read raised, read in ``order`` by a new reader."""
     reader = ParquetRows()
@@ -202,15 +209,7 @@ def test_a_damaged_length_prefix_never_serves_a_neighbours_image(tmp_path, page_
     of the reads."""
     images = [f"image {i:03d};".encode() * (8 + i % 5) for i in range(96)]
     path = tmp_path / "x.parquet"
-    pq.write_table(
-        pa.table({"image": images, "label": list(range(96))}),
-        path,
-        compression="none",
-        use_dictionary=False,
-        data_page_size=page_size,
-        write_batch_size=8,
-        write_statistics=False,
-    )
+    _write_uncompressed(path, images, data_page_size=page_size, write_batch_size=8)
     data = bytearray(path.read_bytes())
     at = _prefix_at(data, images[1])
     data[at : at + 4] = (len(images[1]) + 4 + len(images[2])).to_bytes(4, "little")
@@ -339,3 +338,22 @@ def test_a_row_group_that_pyarrow_reads_short_is_refused_not_shifted(tmp_path):
     assert outcome == {
         i: f"{path}: cannot read row group 0: pyarrow read 31 values of 'image' for 32 rows" for i in range(32)
     }
+
+
+def test_a_page_whose_checksum_does_not_match_serves_none_of_its_rows(tmp_path):
+    """A page header may carry the CRC32 of the page (parquet-mr writes it by default, pyarrow with
+    write_page_checksum): one byte changed inside an image leaves every length in place, so only
+    the checksum says the page is damaged; pyarrow serves the damaged image unless asked to check."""
+    images = [f"image {i:03d};".encode() * 20 for i in range(30)]
+    path = tmp_path / "x.parquet"
+    _write_uncompressed(path, images, write_page_checksum=True)
+    data = bytearray(path.read_bytes())
+    meta = pq.ParquetFile(path).metadata.row_group(0).column(0)
+    at = meta.data_page_offset + meta.total_compressed_size - 7  # in the page body, past its header
+    data[at] ^= 0x01
+    path.write_bytes(data)
+    with pytest.raises(OSError, match="CRC checksum verification failed"):
+        pq.read_table(path, page_checksum_verification=True)
+    outcome = _outcomes(path, range(30))
+    wrong = [i for i, got in outcome.items() if isinstance(got, bytes) and got != images[i]]
+    assert wrong == [] and all("checksum" in got for got in outcome.values()), outcome

@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from prefetchd import raycluster
+from prefetchd import rayaddress, raycluster, rayresults
 
 from .conftest import cli, wait_until, write_config
 from .crossusers import ALICE, MALLORY, no_traceback
@@ -119,32 +119,37 @@ def test_auto_never_joins_another_users_cluster(users, alice_root, shared_data, 
     assert no_traceback(named), named.stderr
 
 
-def test_an_address_on_this_node_is_checked_against_its_listener(users):
+def test_an_address_on_this_node_is_checked_against_its_listener(mallorys_listener):
     """The owner check alone, on a real listener of mallory's and one of ours (no Ray start)."""
+    mallory, theirs = mallorys_listener
+    with pytest.raises(raycluster.RayBootError, match=f"is uid {mallory.uid}'s, not yours"):
+        rayaddress.check_owner(f"127.0.0.1:{theirs}", "--ray-address")
+    with pytest.raises(raycluster.RayBootError, match="another user"):
+        rayaddress.resolve_address("auto", {"RAY_ADDRESS": f"localhost:{theirs}"})
+    with socket.socket() as ours:
+        ours.bind(("127.0.0.1", 0))
+        ours.listen()
+        mine = f"127.0.0.1:{ours.getsockname()[1]}"
+        assert rayaddress.resolve_address(mine) == mine
+        assert rayaddress.resolve_address("auto", {"RAY_ADDRESS": mine}) == mine
+    assert rayaddress.resolve_address("10.255.255.1:6379") == "10.255.255.1:6379"  # another machine: the user's word
+    assert rayaddress.resolve_address("local", {"RAY_ADDRESS": f"127.0.0.1:{theirs}"}) == "local"
+    with pytest.raises(raycluster.RayBootError, match="is not HOST:PORT"):
+        rayaddress.resolve_address("no-port-here")
+
+
+@pytest.fixture
+def mallorys_listener(users):
+    """A TCP listener of mallory's on every address of this node (as `ray start --head` binds
+    its GCS), its port; no Ray start."""
     mallory = users[MALLORY]
     listener = mallory.popen(
         mallory.python, "-c",
-        "import socket, sys; s = socket.socket(); s.bind(('127.0.0.1', 0)); s.listen(); "
+        "import socket, sys; s = socket.create_server(('::', 0), family=socket.AF_INET6, dualstack_ipv6=True); "
         "print(s.getsockname()[1], flush=True); sys.stdin.read()",
     )  # fmt: skip
     try:
-        theirs = int(listener.stdout.readline())
-        with pytest.raises(raycluster.RayBootError, match=f"is uid {mallory.uid}'s, not yours"):
-            raycluster.check_owner(f"127.0.0.1:{theirs}", "--ray-address")
-        with pytest.raises(raycluster.RayBootError, match="another user"):
-            raycluster.resolve_address("auto", {"RAY_ADDRESS": f"localhost:{theirs}"})
-        with socket.socket() as ours:
-            ours.bind(("127.0.0.1", 0))
-            ours.listen()
-            mine = f"127.0.0.1:{ours.getsockname()[1]}"
-            assert raycluster.resolve_address(mine) == mine
-            assert raycluster.resolve_address("auto", {"RAY_ADDRESS": mine}) == mine
-        assert (
-            raycluster.resolve_address("10.255.255.1:6379") == "10.255.255.1:6379"
-        )  # another machine: the user's word
-        assert raycluster.resolve_address("local", {"RAY_ADDRESS": f"127.0.0.1:{theirs}"}) == "local"
-        with pytest.raises(raycluster.RayBootError, match="is not HOST:PORT"):
-            raycluster.resolve_address("no-port-here")
+        yield mallory, int(listener.stdout.readline())
     finally:
         listener.stdin.close()
         listener.wait(timeout=10)
@@ -305,7 +310,7 @@ def test_a_ray_that_cannot_boot_says_rays_own_reason(job_root, jpeg_folder, tmp_
 _READ_RESULTS = r"""
 import os, sys
 import ray
-from prefetchd import raycluster
+from prefetchd import raycluster, rayresults
 
 folder, bombed = sys.argv[1], sys.argv[2]
 options = dict(local_cpus=1, store_bytes=80 << 20, plasma_dir="/tmp", ray_temp=folder + "/s")
@@ -328,16 +333,16 @@ def batch():
     return b'{"ok": true}', b"\x00\xff" * 4
 
 try:
-    raycluster.get_plain(ray, [bomb.remote()], 60)
+    rayresults.get_plain(ray, [bomb.remote()], 60)
     print("READ the bomb")
-except raycluster.NotPlainData as exc:
+except rayresults.NotPlainData as exc:
     print("REFUSED", exc)
 print("BOMBED" if os.path.exists(bombed) else "NOT BOMBED")
 try:
-    raycluster.get_plain(ray, [raises.remote()], 60)
-except raycluster.RayTaskFailed as exc:
+    rayresults.get_plain(ray, [raises.remote()], 60)
+except rayresults.RayTaskFailed as exc:
     print("FAILED", exc)
-print("BYTES", [bytes(v) for v in raycluster.get_plain(ray, list(batch.remote()), 60)])
+print("BYTES", [bytes(v) for v in rayresults.get_plain(ray, list(batch.remote()), 60)])
 ray.get(bomb.remote())  # what Ray's own get does with it
 print("RAY.GET", "BOMBED" if os.path.exists(bombed) else "NOT BOMBED")
 """
@@ -374,18 +379,18 @@ def test_results_from_ray_are_read_as_bytes_and_never_unpickled(tmp_path):
         (b"[1, 2]", "not a JSON object"),
         (b"\xff\xfe", "not JSON"),
         (b"[" * 100_000, "not JSON"),
-        (b" " * ((1 << 20) + 1), "more than"),  # raycluster.MAX_REPORT_BYTES + 1
+        (b" " * ((1 << 20) + 1), "more than"),  # rayresults.MAX_REPORT_BYTES + 1
     ],
 )
 def test_a_task_report_is_checked_field_by_field(report, why):
-    with pytest.raises(raycluster.NotPlainData, match=why):
-        raycluster.task_report(memoryview(report))
+    with pytest.raises(rayresults.NotPlainData, match=why):
+        rayresults.task_report(memoryview(report))
 
 
 def test_a_good_task_report_passes():
     report = b'{"ok": true, "per_source": [4], "replaced": [], "longest_bad_run": 0}'
-    assert raycluster.task_report(report)["per_source"] == [4]
-    assert raycluster.fingerprint_report(b'{"fingerprint": "ab", "facts": {"pillow": "11", "x": null}}')[0] == "ab"
+    assert rayresults.task_report(report)["per_source"] == [4]
+    assert rayresults.fingerprint_report(b'{"fingerprint": "ab", "facts": {"pillow": "11", "x": null}}')[0] == "ab"
 
 
 def test_paths_too_long_for_rays_sockets_are_refused_before_ray_starts(job_root, jpeg_folder, tmp_path, monkeypatch):
@@ -422,3 +427,171 @@ def test_a_symlink_where_the_private_folder_goes_is_not_followed(job_root, jpeg_
     finally:
         holder.stdin.close()
         holder.wait(timeout=10)
+
+
+# -- the address, attacked again: forms that name this node without saying so ---------------------
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "0", "[::]", "[::ffff:127.0.0.1]", "[::ffff:7f00:2]"])
+def test_an_address_that_reaches_this_node_in_another_form_is_checked_too(mallorys_listener, host):
+    """Before: 0.0.0.0, ``::`` and an IPv4-mapped loopback were taken for another machine's
+    address (the user's word, unchecked), yet a connect to each reaches this node: alice's
+    start would join mallory's head. Each is checked against the port's listener now."""
+    mallory, port = mallorys_listener
+    address = f"{host}:{port}"
+    with socket.create_connection((host.strip("[]"), port), timeout=5):
+        pass  # the form does reach mallory's listener on this node
+    with pytest.raises(raycluster.RayBootError, match=f"is uid {mallory.uid}'s, not yours"):
+        rayaddress.check_owner(address, "--ray-address")
+    with pytest.raises(raycluster.RayBootError, match="another user"):
+        rayaddress.resolve_address("auto", {"RAY_ADDRESS": address})
+
+
+def test_a_port_of_this_node_that_nobody_listens_on_is_refused_at_once():
+    """Before: accepted (no listener, so no stranger), and Ray then retried the port for 45 s,
+    time for another user to bind it and be joined. Now refused before Ray is asked."""
+    with socket.socket() as s:  # a port that was free a moment ago, and is not listened on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+        for address in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}"):
+            with pytest.raises(raycluster.RayBootError, match=f"nothing listens on port {port} of this node"):
+                rayaddress.resolve_address(address)
+
+
+def test_a_cluster_of_ours_that_another_users_raylet_on_this_node_joined_is_refused(users):
+    """A raylet of mallory's on this node that names our head's GCS: tasks scheduled there run
+    her code and return what she likes (as finding 1's flipped labels passed every check).
+    Before: the head's listener alone was checked, and it is ours."""
+    mallory = users[MALLORY]
+    with socket.create_server(("127.0.0.1", 0)) as ours:
+        port = ours.getsockname()[1]
+        address = f"127.0.0.1:{port}"
+        assert rayaddress.check_owner(address, "--ray-address") == address  # no raylet of another's yet
+        raylet = mallory.popen(
+            "/bin/bash", "-c", f'exec -a raylet {mallory.python} -c "import sys; sys.stdin.read()" '
+            f"--gcs-address=localhost:{port} --node-ip-address=127.0.0.1",
+        )  # fmt: skip
+        try:
+            wait_until(
+                lambda: (mallory.uid, f"localhost:{port}") in rayaddress._raylets(), what="mallory's raylet to run"
+            )
+            with pytest.raises(raycluster.RayBootError, match=f"a raylet of uid {mallory.uid} on this node"):
+                rayaddress.check_owner(address, "--ray-address")
+        finally:
+            raylet.stdin.close()
+            raylet.wait(timeout=10)
+    # A head on another machine: a raylet of hers here that joined it is refused the same way
+    # (the driver would attach to it as this node's raylet).
+    remote = "10.255.255.1:6379"
+    assert rayaddress.check_owner(remote, "--ray-address") == remote
+    raylet = mallory.popen(
+        "/bin/bash", "-c", f'exec -a raylet {mallory.python} -c "import sys; sys.stdin.read()" --gcs-address={remote}'
+    )
+    try:
+        wait_until(lambda: (mallory.uid, remote) in rayaddress._raylets(), what="mallory's raylet to run")
+        with pytest.raises(raycluster.RayBootError, match=f"a raylet of uid {mallory.uid} on this node"):
+            rayaddress.check_owner(remote, "--ray-address")
+        assert rayaddress.check_owner("10.255.255.1:6380", "--ray-address") == "10.255.255.1:6380"  # another cluster
+    finally:
+        raylet.stdin.close()
+        raylet.wait(timeout=10)
+
+
+@pytest.mark.parametrize("address", ["ray://10.255.255.1:10001", "ray://127.0.0.1:10001", "anyscale://x:1"])
+def test_a_ray_client_address_is_refused_before_ray_connects(address):
+    """Before: accepted ("the user's word" off this node, owner-checked on it). A ray:// address
+    is Ray Client, whose driver unpickles the server's answers (ray.util.client: a failed put's
+    error is cloudpickle.loads'ed, and every get), and another scheme makes Ray import the module
+    the scheme names. The bridge reads results as bytes only through a cluster's GCS address."""
+    for given in (
+        lambda: rayaddress.resolve_address(address),
+        lambda: rayaddress.resolve_address("auto", {"RAY_ADDRESS": address}),
+    ):
+        with pytest.raises(raycluster.RayBootError, match="HOST:PORT of the cluster's head"):
+            given()
+
+
+def test_only_the_private_instances_processes_are_ended_not_others_holding_its_files(tmp_path):
+    """The clean-up of a private instance SIGKILLs this user's processes that hold a file under
+    its folder. Before: any of them: the user's own `tail -f <job>/ray/s/session_latest/logs/
+    raylet.err` (or `less`) was SIGKILLed at every stop. Now only a process that carries the
+    instance's mark, which every Ray process inherits from the bridge that started it (measured
+    with Ray 2.60: GCS, raylet, both agents, the workers: 8 of 8)."""
+    from prefetchd.raybridge import end_processes_using
+
+    folder = tmp_path / "ray"
+    (folder / "s" / "logs").mkdir(parents=True)
+    log = folder / "s" / "logs" / "raylet.err"
+    log.write_text("")
+    hold = "import sys; f = open(sys.argv[1]); sys.stdin.read()"
+    reader = subprocess.Popen([sys.executable, "-c", hold, str(log)], stdin=subprocess.PIPE)
+    mark = raycluster.instance_mark(str(folder))
+    ray_like = subprocess.Popen(
+        [sys.executable, "-c", hold, str(log)], stdin=subprocess.PIPE, env={**os.environ, **mark}
+    )
+    try:
+        wait_until(lambda: len(_holding_files_under(folder, os.getuid())) == 2, what="both to open the log")
+        assert end_processes_using(str(folder), timeout_s=10) == [ray_like.pid]
+        ray_like.wait(timeout=10)  # ended (and reaped by end_processes_using: its code reads 0 here)
+        assert reader.poll() is None, "the user's own reader of Ray's log was SIGKILLed"
+    finally:
+        for p in (reader, ray_like):
+            p.stdin.close()
+            if p.poll() is None:
+                p.kill()
+            p.wait(timeout=10)
+
+
+@pytest.mark.long  # a Ray start (~12 s on 2 cores)
+def test_a_killed_daemons_private_instance_outside_the_job_folder_is_removed(
+    job_root, jpeg_folder, tmp_path, monkeypatch
+):
+    """A job path too long for Ray's sockets puts the private instance in a fresh 0700 folder in
+    the temp folder (/tmp/prefetchd-ray-*). Before: after a kill -9 of the daemon its processes
+    were ended (the bridge's guard) but that folder, Ray's session and logs, stayed for good: no
+    later start or stop knows its name. Now the guard removes it once the processes are gone."""
+    short = Path(tempfile.mkdtemp(prefix="pfd", dir="/tmp"))  # room for Ray's socket paths
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(short))
+    config = write_config(tmp_path, jpeg_folder, name="a-job-name-too-long-for-rays-sockets", workers=0)
+    holders: list[psutil.Process] = []
+    try:
+        result = cli(
+            "start", str(config), "--executor", "ray", "--ray-address", "local", "--ray-workers", "1", timeout=180
+        )
+        assert result.returncode == 0, result.stderr
+        (elsewhere,) = short.glob("prefetchd-ray-*")
+        assert not (job_root / "a-job-name-too-long-for-rays-sockets" / "ray").exists()
+        holders = _holding_files_under(elsewhere, os.getuid())
+        assert holders, "no Ray process holds a file in the private folder"
+        pid = int(next(line.split(": ", 1)[1] for line in result.stdout.splitlines() if line.startswith("pid:")))
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not _alive(holders), timeout_s=30, what="the instance's processes to be ended")
+        wait_until(lambda: not elsewhere.exists(), timeout_s=30, what=f"{elsewhere} to be removed")
+    finally:
+        _kill_all(_alive(holders) + _holding_files_under(short, os.getuid()))
+        shutil.rmtree(short, ignore_errors=True)
+
+
+def test_the_guard_removes_only_a_folder_of_the_users_own(users):
+    """Self-attack of the guard's clean-up: once the pool removed the instance's folder in /tmp,
+    another user may make a folder of that name before the guard runs. The guard must leave it
+    (nothing is deleted through a path that is not ours); before the check, it removed hers."""
+    mallory = users[MALLORY]
+    base = Path(tempfile.mkdtemp(prefix="pfd-guard-", dir="/tmp"))
+    base.chmod(0o1777)  # sticky and open to all, as /tmp
+    theirs = base / "prefetchd-ray-abcdefgh"
+    made = mallory.run("/bin/sh", "-c", f"mkdir -m 777 {theirs} && echo hers > {theirs}/file")
+    assert made.returncode == 0, made.stderr
+    code = (
+        "import sys; from prefetchd.raybridge import _guard_private_instance; "
+        "print(_guard_private_instance(sys.argv[1]).pid, flush=True)"
+    )
+    try:
+        started = subprocess.run([sys.executable, "-c", code, str(theirs)], capture_output=True, text=True, timeout=60)
+        assert started.returncode == 0, started.stderr
+        guard = int(started.stdout.split()[-1])  # it runs once its parent, the "bridge" here, is gone
+        wait_until(lambda: not psutil.pid_exists(guard), timeout_s=30, what="the guard to finish")
+        assert (theirs / "file").read_text() == "hers\n", "the guard removed another user's folder"
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

@@ -523,3 +523,57 @@ def test_a_few_random_shards_agree_with_webdataset_or_are_bad_samples(tmp_path):
     """The differential fuzz of test_fuzz_webdataset.py (long tier), a few seeds of it."""
     tally = run_seeds(range(30), tmp_path)
     assert tally["agree"] >= 30 and tally["bad sample"] >= 30 and tally["intact shards"] >= 5, tally
+
+
+def _pax_members(path: Path, samples: int, odd: dict[tuple[int, str], dict[str, str]]) -> Path:
+    """A pax tar of ``samples`` samples (a small .jpg and a .cls each); ``odd`` gives some members
+    pax headers of their own."""
+    with tarfile.open(path, "w", format=tarfile.PAX_FORMAT) as tar:
+        for i in range(samples):
+            for ext, data in (("jpg", b"J%d" % i), ("cls", b"%d" % i)):
+                info = tarfile.TarInfo(f"{i:06d}.{ext}")
+                info.size, info.pax_headers = len(data), odd.get((i, ext), {})
+                tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+@pytest.mark.parametrize("key", ["GNU.sparse.size", "GNU.sparse.realsize"])
+@pytest.mark.parametrize("value", ["-5", str(10**20)])
+def test_a_sparse_size_that_is_not_a_size_is_one_bad_sample_and_the_shard_goes_on(tmp_path, key, value):
+    # tarfile still finds the next header (its offset follows the member's own header), as
+    # webdataset does: a negative size ended the shard, a size past 2**63 crashed the indexing.
+    path = _pax_members(tmp_path / "s.tar", 4, {(1, "jpg"): {key: value}})
+    if value == "-5":  # webdataset yields an empty image, and the rest
+        assert [s["__key__"] for s in webdataset_samples(path)] == ["000000", "000001", "000002", "000003"]
+    else:  # webdataset cannot read the member (OverflowError, or "unexpected end of data")
+        with pytest.raises((OverflowError, tarfile.ReadError)):
+            webdataset_samples(path)
+    served = read_all(scan(str(path)))
+    assert len(served) == 4 and [served[i] for i in (0, 2, 3)] == [(b"J0", 0), (b"J2", 2), (b"J3", 3)]
+    assert isinstance(served[1][0], str) and value in served[1][0].replace(",", ""), served[1]
+
+
+def test_a_shard_rewritten_in_place_after_indexing_never_serves_bytes_from_elsewhere(tmp_path):
+    # The same members in another order: same size, mtime set back (as cp -p does). An offset of
+    # the index then points into another member, or at another member of another size.
+    images = [jpeg(i) + b"x" * i for i in range(6)]  # sizes all different
+    path = write_shard(tmp_path / "s.tar", [{"jpg": im, "cls": b"%d" % (i % 3)} for i, im in enumerate(images)])
+    before = os.stat(path)
+    index = scan(str(path))
+    write_shard(path, [{"jpg": im, "cls": b"0"} for im in reversed(images)])
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert os.stat(path).st_size == before.st_size
+    served = read_all(index)
+    for i, (got, _) in enumerate(served):
+        assert got == images[i] or (isinstance(got, str) and "changed" in got), (i, got[:40])
+    assert sum(isinstance(got, str) for got, _ in served) >= 4  # only a member left in place is served
+
+
+def test_a_shard_with_a_member_of_negative_size_is_indexed_once_then_cached(tmp_path):
+    path = _pax_members(tmp_path / "s.tar", 3, {(1, "jpg"): {"GNU.sparse.size": "-5"}})
+    first = scan(str(path))
+    (cached,) = (tmp_path / "cache").iterdir()
+    written = os.stat(cached)
+    again = scan(str(path))  # a cache refused (a negative size in it) is written anew
+    assert (os.stat(cached).st_ino, os.stat(cached).st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
+    assert first.members.tolist() == again.members.tolist() and len(again) == 3

@@ -232,3 +232,82 @@ def test_printable_shows_each_kind_of_character_as_its_escape():
     assert printable("\ud800") == r"\ud800"
     assert printable("日本 ünïcode 🙂") == "日本 ünïcode 🙂"
     assert printable("\x1b" * 10, limit=9) == r"\x1b\x1b..."  # an escape is never cut in half
+
+
+# -- attacked again: text that hides, markup that is not brackets, the CLI process's own output ----
+
+
+def test_printable_shows_invisible_characters_that_hide_text_as_escapes():
+    """Zero-width characters and the tag block (U+E0000, "ASCII smuggling": invisible letters a
+    terminal shows as nothing) make two names that read alike differ, or hide words in a message.
+    Before: kept as they are. The joiners that scripts and emoji need stay."""
+    hidden = "a\u200bb\u2060c\ufeffd\u00ade\U000e0001\U000e0041\U000e007f\U000e0100\u180e\u206a\U0001d173"
+    shown = r"a\u200bb\u2060c\ufeffd\xade\U000e0001\U000e0041\U000e007f\U000e0100\u180e\u206a\U0001d173"
+    assert printable(hidden) == shown
+    assert printable(shown) == shown  # idempotent still
+    assert printable("👨\u200d👩\u200d👧 ब\u200dह") == "👨\u200d👩\u200d👧 ब\u200dह"  # ZWJ, ZWNJ kept
+    assert printable("\U000e0041" * 10, limit=12) == r"\U000e0041..."  # an escape is never cut in half
+
+
+def test_rich_emoji_codes_in_data_print_literally(tmp_path):
+    """Rich replaces ``:fire:`` by an emoji in every print unless told not to: a job name or a
+    file name holding it showed another text than the data's. Before: 🔥 in place of :fire:."""
+    refused = _prefetchd("stop", ":fire:")
+    assert refused.returncode == 4 and b":fire:" in refused.stderr, refused.stderr  # CONFIG: not a job name
+    missing = _prefetchd("start", str(tmp_path / ":fire:.toml"), "--buffer", "1M")
+    assert missing.returncode == 2 and b":fire:.toml" in missing.stderr, missing.stderr
+    console = Console(file=io.StringIO(), width=200, color_system=None)
+    console.print(statusview.render({"job": "job", "state": "stopping", "job_dir": "/x/:fire:", "error": ":fire:"}))
+    assert console.file.getvalue().count(":fire:") == 2, console.file.getvalue()
+    assert "\U0001f525" not in refused.stderr.decode() + missing.stderr.decode() + console.file.getvalue()
+
+
+def test_the_cli_processs_own_log_records_and_warnings_reach_the_terminal_escaped():
+    """`prefetchd verify` and `pack` read data in the CLI's own process: a record logged there
+    (a shard member's name, prefetchd.shards) went through logging's last resort, and a
+    library's warnings.warn through warnings' own printing, to stderr as raw bytes."""
+    code = (
+        "import logging, warnings, prefetchd.cli; "
+        "logging.getLogger('prefetchd.shards').warning('skipped member %s', '\\x1b]0;PWNED\\x07.jpg'); "
+        "warnings.warn('bad EXIF in \\x1b[2J\\u202e.jpg')"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    acting = [b for b in RAW_TERMINAL_BYTES if b in result.stderr]
+    assert not acting, f"the CLI process wrote {acting}: {result.stderr!r}"
+    assert rb"skipped member \x1b]0;PWNED\x07.jpg" in result.stderr, result.stderr
+    assert rb"bad EXIF in \x1b[2J\u202e.jpg" in result.stderr, result.stderr
+
+
+def test_a_clis_error_quoting_a_huge_name_is_bounded(tmp_path):
+    """A config key of 2 MB (a file from elsewhere) was quoted whole in `start`'s error: 2 MB on
+    the terminal, ~3 s of rich's rendering (5 MB: 8 s). A message is cut at the daemon's bound
+    for a stop reason (prefetchd.errors.MAX_MESSAGE_CHARS), escapes never cut in half."""
+    from prefetchd.errors import MAX_MESSAGE_CHARS
+
+    config = tmp_path / "huge.toml"
+    config.write_text('"' + "\\u001b" * 1000 + "a" * 2_000_000 + '" = 1\n')  # TOML's escape of ESC
+    result = _prefetchd("start", str(config), "--buffer", "1M")
+    assert result.returncode == 2, result.stderr[-500:]  # USAGE: a config error
+    assert result.stderr.startswith(b"error: ") and b"\\x1b" in result.stderr
+    assert len(result.stderr) < MAX_MESSAGE_CHARS + 100, len(result.stderr)
+
+
+def test_the_daemons_own_warnings_reach_its_log_escaped(tmp_path):
+    """A detached daemon's stderr is daemon.log (daemon.serve dup2s it there once it serves):
+    a warnings.warn in the master (a library's, quoting data) and a record of a logger that is
+    not prefetchd's were written there raw, past the log's printable lines. The daemon's log set
+    up as daemon.serve does it, in a real process."""
+    log = tmp_path / "daemon.log"
+    code = (
+        "import logging, os, sys, warnings; from prefetchd.logsetup import log_to; "
+        f"log_to({str(log)!r}); fd = os.open({str(log)!r}, os.O_WRONLY | os.O_APPEND); os.dup2(fd, 2); "
+        "warnings.warn('bad EXIF in \\x1b]0;PWNED\\x07.jpg'); "
+        "logging.getLogger('pyarrow').warning('column \\x1b[2J\\u202e'); sys.stderr.flush()"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    written = log.read_bytes()
+    acting = [b for b in RAW_TERMINAL_BYTES if b in written]
+    assert not acting, f"daemon.log got {acting}: {written!r}"
+    assert rb"bad EXIF in \x1b]0;PWNED\x07.jpg" in written and rb"column \x1b[2J\u202e" in written, written
