@@ -25,6 +25,8 @@ from __future__ import annotations
 from enum import IntEnum
 from pathlib import Path
 
+from prefetchd_client.text import printable
+
 
 class ExitCode(IntEnum):
     """Every non-zero exit of ``prefetchd`` and of its daemon, in one place."""
@@ -148,14 +150,18 @@ def _problem_with(data: object) -> str | None:
 
 def describe(exc: BaseException, limit: int = _DESCRIBE_CHARS) -> str:
     """An exception named by its class, with its text cut to ``limit`` characters: for a
-    message, not a log."""
+    message, not a log. One line: control characters, newlines among them, and lone
+    surrogates are shown as escapes (prefetchd_client.text.printable), because a cause is
+    embedded in a log line and in messages whose last line is what travels (a worker's error)."""
     try:
         text = str(exc)
-    except Exception:  # noqa: BLE001 - a [pipeline] callable's exception may fail even at that
+    except KeyboardInterrupt:
+        raise
+    except BaseException:  # noqa: BLE001 - a [pipeline] callable's exception may fail even at that (SystemExit too)
         text = "(its text could not be made)"
-    if len(text) > limit:
-        text = text[: max(limit - 3, 0)] + "..."
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+    name = printable(type(exc).__name__, _MAX_TYPE_CHARS)  # a class made at run time may be named anything
+    text = printable(text, max(limit - 3, 0)) if len(text) > limit else printable(text, limit)
+    return f"{name}: {text}" if text else name
 
 
 def start_failure(exc: BaseException, log: Path) -> UserError | None:

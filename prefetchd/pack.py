@@ -32,6 +32,9 @@ Rules:
   OUT_DIR/.partial and linked into place at the end (pack.json last; renamed where the file
   system has no hard links); on any failure, Ctrl-C included, what this run made is removed,
   each file by its name in the folder held open and only while it is still the inode made.
+  A pack killed outright (kill -9) cannot: it leaves OUT_DIR/.partial, which the next pack
+  into that folder names (remove the folder), and its worker processes die with it. A full
+  file system is the user's error (exit 1), what was made removed, not an internal one.
 - files are written 0600 and folders pack creates (OUT_DIR and any missing one above it)
   0700, unless --mode says otherwise: --mode 644 shares the pack for reading (folders 0755:
   an x bit beside each r). No mode lets another user write; the umask does not apply.
@@ -198,7 +201,8 @@ def _encoded(index: SampleIndex, opts: PackOptions):
     # killed (kill -9, the OOM killer): they would wait for good. The server preloads
     # workerserver, which asks the kernel to kill it with its parent; each worker asks the same.
     ctx.set_forkserver_preload([workerserver.__name__])
-    with ProcessPoolExecutor(opts.workers, mp_context=ctx, initializer=_die_with_the_pack) as pool:
+    pool = ProcessPoolExecutor(opts.workers, mp_context=ctx, initializer=_die_with_the_pack, initargs=(os.getpid(),))
+    with pool:
         pending = []
         try:
             for paths in chunks:
@@ -211,7 +215,7 @@ def _encoded(index: SampleIndex, opts: PackOptions):
             pool.shutdown(cancel_futures=True)
 
 
-def _die_with_the_pack() -> None:
+def _die_with_the_pack(pack_pid: int) -> None:
     """In a worker: SIGKILL when its parent (the fork server, which dies with pack) dies; and
     Ctrl-C, which a terminal sends to the whole group, left to pack (no traceback per worker)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -219,6 +223,21 @@ def _die_with_the_pack() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: pack's pool ends its workers when it can
         pass
+    # The pool forks a worker when work waits for one: forked just as pack died (and the server
+    # with it), it asked for the signal too late to get it, and would wait for work for good.
+    if _gone(pack_pid):
+        os._exit(1)
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie not yet reaped included); False when /proc cannot say."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rpartition(b")")[2].split()[0] == b"Z"
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        return False
 
 
 def _member(name: str, data: bytes) -> tuple[tarfile.TarInfo, io.BytesIO]:
@@ -393,7 +412,11 @@ def pack(source: str, out_dir: Path, opts: PackOptions, progress=None) -> dict:
     """Pack ``source`` into ``out_dir``; returns the manifest written as pack.json.
     ``progress(done, total)`` is called after each sample."""
     index, kind, classes = load_source(source)
-    out = _OutDir(out_dir, opts)
+    try:
+        out = _OutDir(out_dir, opts)  # removes what it made when it fails
+    except OSError as exc:
+        _raise_if_full(exc, out_dir)
+        raise
     writer = _ShardWriter(out, opts.shard_size)
     try:
         skipped, resized = [], 0
@@ -431,13 +454,18 @@ def pack(source: str, out_dir: Path, opts: PackOptions, progress=None) -> dict:
     except BaseException as exc:
         writer.discard()
         out.remove()
-        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            # The place, not a bug: said as such, not as an internal error (exit 70).
-            raise UserError(
-                f"no space left for the pack in output folder {out_dir} ({exc.strerror}); what it wrote there is "
-                "removed: free space there (or raise your quota), or choose a folder on another file system"
-            ) from None
+        _raise_if_full(exc, out_dir)
         raise
+
+
+def _raise_if_full(exc: BaseException, out_dir: Path) -> None:
+    """A full file system (no blocks, no inodes, the quota) is the place, not a bug: a UserError
+    that says so, not an internal error (exit 70). Called once what was made is removed."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        raise UserError(
+            f"no space left for the pack in output folder {out_dir} ({exc.strerror}); what it wrote there is "
+            "removed: free space there (or raise your quota), or choose a folder on another file system"
+        ) from None
 
 
 def summary(m: dict) -> str:

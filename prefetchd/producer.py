@@ -24,6 +24,7 @@ from PIL import Image
 
 from prefetchd_client.batchfile import PREAMBLE, BatchBuffer, BatchLayout, BatchWriter, FieldSpec, content_digest
 from prefetchd_client.layout import JobPaths, batch_name
+from prefetchd_client.text import printable
 
 from .errors import describe
 from .plan import Plan
@@ -38,11 +39,22 @@ class SampleError(Exception):
     """A sample could not be produced; the message names its file."""
 
 
+class CallableExited(Exception):
+    """The [pipeline] callable raised SystemExit, KeyboardInterrupt or GeneratorExit on a sample."""
+
+
 _REPLACEMENT_ATTEMPTS = 10
 # Of one sample's cause, as its reader said it, wherever it goes: a batch's record, a log line,
 # a stop message. Room for a path and the reader's sentence; a stop names at most 11 of them.
 _CAUSE_CHARS = 300
 _DIGITS = re.compile(r"\d+")
+# Of one batch's paths and causes, what its report carries in full: the master refuses a worker's
+# message over messages.MAX_MESSAGE_BYTES (16 MiB) and kills the worker, and the bad samples are
+# then neither logged nor counted (10,000 causes of 300 CJK characters made 19.1 MB: \uXXXX is 6
+# bytes of JSON, an emoji 12). 512 Ki characters are at most 6 MiB, which leaves room for the ids
+# of ~100,000 records; past them a record keeps its ids, so it is still counted.
+_DETAIL_CHARS_PER_BATCH = 512 << 10
+_DETAILS_NOT_KEPT = "(not kept: the batch's earlier bad samples filled its report)"
 # The header area of a batch file holds the field table and the meta object. It is sized so
 # that every sample of a batch can be recorded as replaced in the short form below (at most
 # 80 bytes of JSON); the full form (path, error) is kept while it fits, and always logged.
@@ -230,7 +242,14 @@ class BatchProducer:
         source = {"path": self.index.path(sid), "label": self.index.label(sid), "index": int(sid)}
         if self.index.kinds is not None:  # a container's sample: its encoded image (None: a file of its own)
             source["data"] = self.reader.image_bytes(sid)
-        out = self._user_fn(source, rng)
+        try:
+            out = self._user_fn(source, rng)
+        except (SystemExit, KeyboardInterrupt, GeneratorExit) as exc:
+            # No Exception, so they would end the worker: it died again on each retry and the
+            # stop said "a [pipeline] callable that exits", never what it raised. They are the
+            # callable's own (a worker ignores SIGINT; Ray cancels a task by killing it): a bad
+            # sample, with its words, as any other exception of the callable's.
+            raise CallableExited(f"{self.spec.pipeline} raised {describe(exc, _CAUSE_CHARS)}") from None
         if not isinstance(out, dict) or not out or _ADDED & set(out):
             raise TypeError(
                 f"{self.spec.pipeline} must return a non-empty dict of arrays without 'label', 'index' or 'valid' "
@@ -251,6 +270,7 @@ class BatchProducer:
         if self.plan.evaluation:
             arrays["valid"][:] = self.plan.batch_valid(step, rank)
         report, run = FillReport([]), 0
+        details = 0  # characters of paths and causes in report.replaced
         for slot, (sid, pass_) in enumerate(zip(ids.tolist(), passes.tolist())):
             try:
                 self._make_sample(arrays, slot, epoch, sid, pass_)
@@ -259,17 +279,17 @@ class BatchProducer:
             except Exception as exc:
                 error = describe(exc, _CAUSE_CHARS)
                 if self.spec.on_error == "fail":
-                    raise SampleError(f"sample {sid} ({self.reader.place(sid)}): {error}") from exc
+                    # one line (a file name may hold a newline): a worker's error travels as its last line
+                    raise SampleError(printable(f"sample {sid} ({self.reader.place(sid)}): {error}")) from exc
             run += 1
             report.longest_bad_run = max(report.longest_bad_run, run)
+            path = self.reader.where(sid)
+            details += len(path) + len(error)
+            replacement = self._replace(arrays, slot, epoch, sid, pass_, error)
+            if details > _DETAIL_CHARS_PER_BATCH:
+                path = error = _DETAILS_NOT_KEPT
             report.replaced.append(
-                {
-                    "slot": slot,
-                    "index": sid,
-                    "path": self.reader.where(sid),
-                    "error": error,
-                    "replacement": self._replace(arrays, slot, epoch, sid, pass_, error),
-                }
+                {"slot": slot, "index": sid, "path": path, "error": error, "replacement": replacement}
             )
             if self.plan.evaluation:  # the stand-in is counted where it is itself: not here too
                 arrays["valid"][slot] = False
@@ -318,7 +338,7 @@ class BatchProducer:
                 return other
             except Exception as exc:
                 failures.append((other, describe(exc, _CAUSE_CHARS)))
-        raise SampleError(self._unreadable(sid, cause, failures))
+        raise SampleError(printable(self._unreadable(sid, cause, failures)))  # one line, as above
 
     def _unreadable(self, sid: int, cause: str, failures: list[tuple[int, str]]) -> str:
         """Why a sample could not be stood in for: its place and its reader's words, then those

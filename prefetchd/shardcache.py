@@ -6,8 +6,9 @@ shard can compute it. What is in the file decides which label each image is serv
 cache is used only where nobody else can have written it:
 
 - the folder (``$PREFETCHD_CACHE``, else ``$XDG_CACHE_HOME/prefetchd/shards``, else
-  ``~/.cache/prefetchd/shards``) is opened without following a symlink and must be this user's
-  and not writable by group or others, and every folder above it must be root's or this user's
+  ``~/.cache/prefetchd/shards``; none for a user without a home, which is logged once) is
+  opened without following a symlink and must be this user's and not writable by group or
+  others, and every folder above it must be root's or this user's
   and writable by no one else unless sticky (prefetchd_client.folders). Otherwise it is not
   used at all: the log says why, once per process, and every shard is indexed afresh.
 - a file in it is opened relative to that folder's descriptor, without following a symlink or
@@ -45,6 +46,8 @@ _WHAT = "shard index cache"
 _FIX = "set PREFETCHD_CACHE to a folder of your own that only you can write (mode 700)"
 _WRITABLE_BY_OTHERS = 0o022
 _ROW_BYTES = 3 * 8
+# Stands for the cache folder of a user without a home: never opened (refused, logged once).
+_NO_HOME = Path("/nonexistent/prefetchd-user-without-a-home")
 _logged_refusals: set[str] = set()  # cache folders already logged as refused: once per process, not per shard
 
 
@@ -52,7 +55,14 @@ def _cache_root() -> Path:
     env = os.environ.get("PREFETCHD_CACHE")
     if env:
         return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "prefetchd" / "shards"
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]) / "prefetchd" / "shards"
+    try:
+        home = Path.home()
+    except (RuntimeError, KeyError):  # no $HOME and a uid without a passwd entry (a container's)
+        _refused(_NO_HOME, f"no home folder to keep it in ($HOME is unset and uid {os.getuid()} has none); {_FIX}")
+        return _NO_HOME
+    return home / ".cache" / "prefetchd" / "shards"
 
 
 def _cache_file(shard: str, st: os.stat_result, label_key: str | None) -> Path:
@@ -64,7 +74,7 @@ def _cache_file(shard: str, st: os.stat_result, label_key: str | None) -> Path:
     return _cache_root() / (hashlib.sha256(ident.encode()).hexdigest()[:32] + ".npy")
 
 
-def _refused(folder: Path, exc: Exception) -> None:
+def _refused(folder: Path, exc: Exception | str) -> None:
     if str(folder) not in _logged_refusals:
         _logged_refusals.add(str(folder))
         log.warning("shard index cache not used, every shard is indexed afresh: %s", exc)
@@ -73,6 +83,8 @@ def _refused(folder: Path, exc: Exception) -> None:
 def _open_folder(folder: Path, *, create: bool) -> int | None:
     """A descriptor of the checked cache folder; None when it is missing (and not to be made)
     or refused."""
+    if folder == _NO_HOME:
+        return None
     try:
         if create:
             fd, made = make_private_dir(folder, _WHAT, fix=_FIX)

@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
@@ -220,3 +221,21 @@ def test_a_shard_cache_that_mallory_could_write_is_not_used(users, place, where)
     assert result.stderr.count("shard index cache not used") == 1, result.stderr
     reason = "lies under" if where == "under mallory's folder" else f"uid {users[MALLORY].uid}"
     assert reason in result.stderr, result.stderr
+
+
+def test_a_user_with_no_home_indexes_shards_without_a_cache(users, place):
+    """Attack of issue 24's cache: a uid with no passwd entry and no $HOME (a container run with
+    an arbitrary uid) has no default cache folder: Path.home() raised RuntimeError ("Could not
+    determine home directory") out of indexing, and every start of a WebDataset job failed. The
+    cache is best effort: it is not used, the log says why once, and the shards are indexed."""
+    shard = readable_by_all(write_shard(place / "s.tar", good(6)))
+    env = {k: v for k, v in users[ALICE].env.items() if k != "HOME"}
+    python = users[ALICE].python
+    result = subprocess.run(
+        [python, "-c", _SCAN, str(shard)], capture_output=True, text=True, timeout=60,
+        user=54321, group=54321, extra_groups=[], cwd="/", env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == [0, 1, 2, 0, 1, 2], result.stderr
+    assert result.stderr.count("shard index cache not used") == 1, result.stderr
+    assert "home" in result.stderr and "PREFETCHD_CACHE" in result.stderr, result.stderr

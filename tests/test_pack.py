@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -267,22 +268,19 @@ def test_ctrl_c_while_packing_leaves_nothing_behind(tmp_path):
     assert not out.exists()
 
 
-def _family(pid: int) -> set[int]:
-    """Every process below ``pid`` (its fork server, the workers, the resource tracker)."""
-    parents = {}
+def _marked(token: str) -> set[int]:
+    """The live processes whose environment holds ``token``: pack and all it started (its fork
+    server, the workers, the resource tracker), orphans and workers forked late among them."""
+    found = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                with open(f"/proc/{entry}/stat", "rb") as f:
-                    parents[int(entry)] = int(f.read().rpartition(b")")[2].split()[1])
-            except (OSError, IndexError, ValueError):
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if token.encode() in f.read() and _alive(int(entry)):
+                        found.add(int(entry))
+            except OSError:
                 continue
-    family, grew = set(), True
-    while grew:
-        more = {p for p, parent in parents.items() if (parent == pid or parent in family) and p not in family}
-        family |= more
-        grew = bool(more)
-    return family
+    return found
 
 
 def _alive(pid: int) -> bool:
@@ -301,35 +299,48 @@ def test_a_pack_killed_with_sigkill_leaves_no_process_and_the_next_pack_says_wha
     (tmp_path / "list.txt").write_text("".join(f"{p},0\n" for p in sorted(images.rglob("*.jpg")) * 2000))
     out = tmp_path / "out"
     flags = ("--workers", "2", "--shard-size", "64K")
+    token = f"PFD_PACK_TEST={os.getpid()}.{time.monotonic_ns()}"
     proc = subprocess.Popen(
         [sys.executable, "-m", "prefetchd", "pack", str(tmp_path / "list.txt"), str(out), *flags],
         stderr=subprocess.DEVNULL,
+        env={**os.environ, "PFD_PACK_TEST": token.partition("=")[2]},
     )
     try:
         wait_until(lambda: (out / ".partial" / "shard-000001.tar").exists(), timeout_s=60, what="a second shard")
-        family = _family(proc.pid)
-        assert len(family) >= 3, family  # the fork server and two workers at least
+        assert len(_marked(token)) >= 4, _marked(token)  # pack, its fork server and two workers at least
         proc.kill()
         proc.wait()
-        wait_until(lambda: not any(_alive(p) for p in family), timeout_s=10, what="the pack's processes to end")
+        try:
+            wait_until(lambda: not _marked(token), timeout_s=10, what="the pack's processes to end")
+        except AssertionError:
+            left = {p: open(f"/proc/{p}/cmdline", "rb").read()[:120] for p in _marked(token)}
+            raise AssertionError(f"alive 10 s after the kill: {left}") from None
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        for pid in _marked(token):  # what a failure left: this test's own processes, by their mark
+            os.kill(pid, signal.SIGKILL)
     again = pack(tmp_path / "list.txt", out)
     assert_clean_failure(again, ExitCode.USER, "not empty", ".partial", "did not finish", f"rm -r {out}")
     assert os.listdir(out) == [".partial"]  # looked at, not touched
 
 
-def test_a_full_file_system_is_the_users_error_and_leaves_nothing(small_tmpfs, tmp_path):
+@pytest.mark.parametrize("full", ["blocks", "inodes"])
+def test_a_full_file_system_is_the_users_error_and_leaves_nothing(small_tmpfs, tmp_path, full):
     """Attack of issue 24's pack: ENOSPC was "internal error while packing: OSError: [Errno 28]",
-    exit 70. It is the place, not a bug: the message names the folder and what to do."""
+    exit 70, whether the shards filled the blocks or .partial found no inode. It is the place,
+    not a bug: the message names the folder and what to do."""
     images = make_image_folder(tmp_path / "data", classes=1, per_class=4, size=(64, 96))
     (tmp_path / "list.txt").write_text("".join(f"{p},0\n" for p in sorted(images.rglob("*.jpg")) * 400))
     out = small_tmpfs / "out"
+    if full == "inodes":  # OUT_DIR is there, empty; not one more file or folder fits
+        out.mkdir(mode=0o700)
+        subprocess.run(["mount", "-o", "remount,nr_inodes=2", str(small_tmpfs)], check=True)
     result = pack(tmp_path / "list.txt", out, "--workers", "1", "--shard-size", "64K")
     assert_clean_failure(result, ExitCode.USER, f"output folder {out}", "no space left", "free space")
-    assert os.listdir(small_tmpfs) == []
+    assert os.listdir(small_tmpfs) == ([] if full == "blocks" else ["out"])
+    assert full == "blocks" or os.listdir(out) == []
 
 
 def test_a_shared_sticky_folder_as_out_dir_is_refused_without_advice_to_chmod_it(folder):

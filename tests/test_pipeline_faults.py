@@ -174,10 +174,58 @@ def test_a_cause_with_newlines_and_escapes_travels_as_one_line(tmp_path, jpeg_fo
     cause = r"raise ValueError(f'{i}\nforged line\x1b[2J\udcff')"
     paths = start_job(job_with(tmp_path, jpeg_folder, monkeypatch, f"if i == 5: {cause}", name="oneline"))
     records = [r for b in read_epoch("oneline", with_meta=True, timeout=60) for r in b.meta["replaced"]]
-    assert [r["error"] for r in records] == [r"ValueError: 5\nforged line\x1b[2J\udcff"], records
+    assert [r["error"] for r in records] == [r"ValueError: 5\nforged line\x1b[2J\xff"], records
     lines = [line for line in paths.log.read_text(errors="replace").splitlines() if "forged line" in line]
-    assert len(lines) == 1 and "bad sample 5" in lines[0], lines
+    assert lines and all("WARNING bad sample 5 (" in line for line in lines), lines  # none a line of its own
     result = cli("start", str(job_with(tmp_path, jpeg_folder, monkeypatch, cause, name="oneline_stop")))
     assert result.returncode == 5, result.stderr
     assert "sample 0 (file " in result.stderr, result.stderr
-    assert r"ValueError: 0\nforged line\x1b[2J\udcff" in result.stderr, result.stderr
+    assert r"ValueError: 0\nforged line\x1b[2J\xff" in result.stderr, result.stderr
+
+
+@pytest.mark.long  # ~30 s: a batch of 40,000 samples
+def test_a_batch_with_thousands_of_long_causes_is_reported_and_counted(tmp_path, jpeg_folder, job_root, monkeypatch):
+    """Attack of issue 24 finding 4: a worker reports every replaced sample with its place and
+    cause, and the master refuses a report over 16 MiB. 10,000 bad samples in a batch of 40,000,
+    each with 300 characters of a CJK cause (\\uXXXX in JSON: 6 bytes each), made a 19.1 MB
+    report: the master killed the worker after every batch (3 restarts in 3 batches), and status
+    said "0 bad samples replaced", so --max-bad-rate could never stop the job. The details a
+    report carries are bounded; every bad sample is still counted."""
+    code = (
+        "import numpy as np\n"
+        "def make(source, rng):\n"
+        "    i = source['index']\n"
+        "    if i % 4 == 1:\n"
+        "        raise ValueError(f'{i} ' + chr(0x5B57 + i % 1000) * 400)\n"
+        "    return {'x': np.full(2, i, np.int32)}\n"
+    )
+    image = next(jpeg_folder.rglob("*.jpg"))
+    (tmp_path / "train.txt").write_text(f"{image},0\n" * 40_000)
+    config = pipeline_job(tmp_path, jpeg_folder, monkeypatch, "pipe_long_causes", code, name="long")
+    text = config.read_text().replace("batch_size = 4", "batch_size = 40000")
+    text = text.replace(
+        f'kind = "image_folder"\nroot = "{jpeg_folder}"', f'kind = "file_list"\npath = "{tmp_path}/train.txt"'
+    )
+    config.write_text(text)
+    paths = start_job(config, "--buffer", "1G", "--max-bad-rate", "0.5")
+    assert len(read_epoch("long", timeout=60)) == 1
+    totals = wait_until(lambda: (t := job_status(paths)["totals"])["produced"] and t, timeout_s=30, what="a report")
+    assert totals["bad_samples"] == 10_000 and totals["worker_restarts"] == 0, totals
+    log = paths.log.read_text()
+    assert "unreadable message from worker" not in log
+    assert "ValueError: 1 " + chr(0x5B57 + 1) * 10 in log or "ValueError: 5 " in log  # the first causes, logged
+
+
+def test_an_exception_whose_text_exits_is_still_a_bad_sample(tmp_path, jpeg_folder, job_root, monkeypatch):
+    """Attack of issue 24 finding 4: the cause is made with str(exc); an exception whose __str__
+    raises SystemExit ended the worker there, 5 times, and the daemon stopped (exit 7)."""
+    body = (
+        "if i == 5:\n"
+        "        class Mute(Exception):\n"
+        "            def __str__(self):\n"
+        "                raise SystemExit('no text')\n"
+        "        raise Mute()"
+    )
+    start_job(job_with(tmp_path, jpeg_folder, monkeypatch, body, name="mute"))
+    records = [r for b in read_epoch("mute", with_meta=True, timeout=60) for r in b.meta["replaced"]]
+    assert [(r["index"], r["error"]) for r in records] == [(5, "Mute: (its text could not be made)")], records
