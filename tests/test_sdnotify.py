@@ -297,9 +297,18 @@ def test_an_abstract_address_works(tmp_path, jpeg_folder, job_root):
         fake.wait_for("READY=1", 60)
         daemon.family = daemon_family(paths)
         fake.wait_for("WATCHDOG=1", 1)
-        stop = subprocess.run([sys.executable, "-m", "prefetchd", "stop", "job"], capture_output=True, timeout=60)
-        assert stop.returncode == 0, stop.stderr
-        assert fake.wait_for("STOPPING=1", 10)[1] == "STOPPING=1\nSTATUS=stopping: stop requested"
+        # Read while the command runs: a manager's queue holds 10 datagrams (net.unix.max_dgram_qlen),
+        # the beats fill it within a second, and past that the daemon's sends (MSG_DONTWAIT: a
+        # manager that does not read must not block the loop) are dropped, STOPPING=1 among them.
+        # `prefetchd stop` takes longer than that on a loaded machine.
+        stop = subprocess.Popen(
+            [sys.executable, "-m", "prefetchd", "stop", "job"], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        try:
+            assert fake.wait_for("STOPPING=1", 60)[1] == "STOPPING=1\nSTATUS=stopping: stop requested"
+        finally:
+            _, stop_err = stop.communicate(timeout=60)
+        assert stop.returncode == 0, stop_err
         assert daemon.proc.wait(30) == 0, daemon.stderr()
         wait_pids_gone(daemon.family)
     finally:
