@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
+import tempfile
 import textwrap
 
 import psutil
@@ -58,15 +60,22 @@ def _start_cluster(pipelines_dir) -> Cluster:
 def pipelines_dir(tmp_path_factory):
     folder = tmp_path_factory.mktemp("ray-pipelines")
     (folder / "ray_pipelines.py").write_text(textwrap.dedent(_PIPELINES))
+    # The module's clusters keep their session folders in a temp folder of their own, removed
+    # afterwards, not in /tmp/ray (Ray's default, which they would be left in). Short: Ray's
+    # socket paths under it must fit 107 bytes.
+    ray_tmp = tempfile.mkdtemp(prefix="pfd-ray-", dir="/tmp")
     # Daemons (`start`) and Ray's workers (they inherit the environment of the node that starts
     # them) import the callables from here.
-    before = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = f"{folder}{os.pathsep}{before or ''}"
+    before = {name: os.environ.get(name) for name in ("PYTHONPATH", "RAY_TMPDIR")}
+    os.environ["PYTHONPATH"] = f"{folder}{os.pathsep}{before['PYTHONPATH'] or ''}"
+    os.environ["RAY_TMPDIR"] = ray_tmp
     yield folder
-    if before is None:
-        del os.environ["PYTHONPATH"]
-    else:
-        os.environ["PYTHONPATH"] = before
+    for name, value in before.items():
+        if value is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = value
+    shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
