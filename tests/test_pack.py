@@ -300,10 +300,12 @@ def test_a_pack_killed_with_sigkill_leaves_no_process_and_the_next_pack_says_wha
     out = tmp_path / "out"
     flags = ("--workers", "2", "--shard-size", "64K")
     token = f"PFD_PACK_TEST={os.getpid()}.{time.monotonic_ns()}"
+    # A temp folder of its own: the killed pack cannot remove its fork server's pymp-* folder.
+    temp = tempfile.mkdtemp(prefix="pfd-pack-", dir="/tmp")  # short: a socket path goes in it
     proc = subprocess.Popen(
         [sys.executable, "-m", "prefetchd", "pack", str(tmp_path / "list.txt"), str(out), *flags],
         stderr=subprocess.DEVNULL,
-        env={**os.environ, "PFD_PACK_TEST": token.partition("=")[2]},
+        env={**os.environ, "PFD_PACK_TEST": token.partition("=")[2], "TMPDIR": temp},
     )
     try:
         wait_until(lambda: (out / ".partial" / "shard-000001.tar").exists(), timeout_s=60, what="a second shard")
@@ -321,6 +323,7 @@ def test_a_pack_killed_with_sigkill_leaves_no_process_and_the_next_pack_says_wha
             proc.wait()
         for pid in _marked(token):  # what a failure left: this test's own processes, by their mark
             os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
     again = pack(tmp_path / "list.txt", out)
     assert_clean_failure(again, ExitCode.USER, "not empty", ".partial", "did not finish", f"rm -r {out}")
     assert os.listdir(out) == [".partial"]  # looked at, not touched
