@@ -11,6 +11,7 @@ import os
 import stat
 from pathlib import Path
 
+from prefetchd_client.folders import is_private
 from prefetchd_client.transport import load_public_certificate
 
 
@@ -30,7 +31,7 @@ def load_authorized_keys(directory: str | os.PathLike) -> list[bytes]:
     keys = []
     for path in [folder, *sorted(folder.glob("*.key"))]:
         st = os.stat(path)
-        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        if not is_private(st):
             raise ValueError(
                 f"{path} must be yours and not writable by others (it decides who may connect); "
                 f"it has uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):04o}: run chmod go-w {path}"

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from prefetchd_client.errors import UnsafeFolder
-from prefetchd_client.folders import FILE_FLAGS, make_private_dir, open_private_dir
+from prefetchd_client.folders import FILE_FLAGS, is_private, make_private_dir, open_private_dir
 
 from .sources import NO_LABEL
 
@@ -44,7 +44,6 @@ log = logging.getLogger(__name__)
 _CACHE_VERSION = 3
 _WHAT = "shard index cache"
 _FIX = "set PREFETCHD_CACHE to a folder of your own that only you can write (mode 700)"
-_WRITABLE_BY_OTHERS = 0o022
 _ROW_BYTES = 3 * 8
 # Stands for the cache folder of a user without a home: never opened (refused, logged once).
 _NO_HOME = Path("/nonexistent/prefetchd-user-without-a-home")
@@ -112,7 +111,7 @@ def _load_cached(cache: Path, shard_size: int) -> np.ndarray | None:
     try:
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & _WRITABLE_BY_OTHERS:
+            if not (stat.S_ISREG(st.st_mode) and is_private(st)):
                 log.info(
                     "shard index cache file %s not used: not a regular file of yours, or others can write it", cache
                 )

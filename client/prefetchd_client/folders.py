@@ -27,6 +27,12 @@ FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBL
 _WRITABLE_BY_OTHERS = 0o022
 
 
+def is_private(st: os.stat_result) -> bool:
+    """Whether what ``st`` describes is this user's and writable by nobody else: then nobody
+    else can have written it, nor (a folder) add, swap or remove what is inside it."""
+    return st.st_uid == os.getuid() and not st.st_mode & _WRITABLE_BY_OTHERS
+
+
 # -- whose folder: the one check every entry point runs ---------------------------------------
 #
 # /dev/shm is writable by every user and the default root's name is predictable: another
@@ -59,7 +65,7 @@ def open_private_dir(path: Path, what: str, *, dir_fd: int | None = None, fix: s
         raise UnsafeFolder(_refusal(path, what, st, fix)) from None
     try:
         st = os.fstat(fd)
-        if st.st_uid != os.getuid() or st.st_mode & _WRITABLE_BY_OTHERS:
+        if not is_private(st):
             raise UnsafeFolder(_refusal(path, what, st, fix))
     except BaseException:
         os.close(fd)
