@@ -41,6 +41,7 @@ _NODE_CHECK_S = 2.0  # how often the bridge asks Ray whether a node can still ru
 _LOST_AFTER_S = 10.0  # how long the cluster may be unusable before the bridge gives it up
 _TASK_SLACK_S = 60.0  # added to a whole batch's time before a task is cancelled as wedged
 _END_TIMEOUT_S = 10.0  # to end a private instance's processes, SIGKILLed: they are gone within milliseconds
+_QUIET_SWEEPS, _SWEEP_PAUSE_S = 2, 0.2  # none found twice, this far apart: none is left
 
 
 def bridge_main(spec_json: str, conns: list, nice: int, options: dict) -> None:
@@ -130,39 +131,31 @@ def _guard_private_instance(folder_elsewhere: str | None):
     import sys
 
     started = [f"{p.pid}:{p.create_time()}" for p in psutil.Process().children(recursive=True)]
+    unmarked = {k: v for k, v in os.environ.items() if k != raycluster.INSTANCE_MARK}  # not one to end
     return subprocess.Popen(
-        [sys.executable, "-c", _GUARD, folder_elsewhere or "", *started], stdin=subprocess.PIPE, close_fds=True
+        [sys.executable, "-c", _GUARD, folder_elsewhere or "", *started],
+        stdin=subprocess.PIPE,
+        close_fds=True,
+        env=unmarked,
     )
 
 
-def processes_using(folder: str) -> list[psutil.Process]:
-    """This user's processes of the private instance in ``folder``: those that hold a file open
-    under it and carry its mark (raycluster.instance_mark) in their environment. Every process
-    of a Ray instance (GCS, raylet, its agents, its workers) holds its logs open there; their
-    titles (ray::IDLE, ray::DashboardAgent) and parents (re-parented once the raylet dies) are
-    not to be trusted, a private folder of this user's is: no one else can open a file in it.
-    The mark spares the user's own processes that read Ray's logs there (`tail -f`, `less`)."""
+def instance_processes(folder: str) -> list[psutil.Process]:
+    """This user's processes of the private instance in ``folder``: those that carry its mark
+    (raycluster.instance_mark) in the environment they started with. Every process of a Ray
+    instance (GCS, raylet, its agents, its workers) inherits it from the bridge; their titles
+    (ray::IDLE, ray::DashboardAgent) and parents (re-parented once the raylet dies) are not to be
+    trusted. The mark is, and it is there from the fork on: an agent the raylet forked a moment
+    before it was killed, still starting its interpreter, holds no file of the instance yet (a
+    clean-up that looked for open files missed it: CI, 1 run in 3). The user's own processes that
+    read Ray's logs there (`tail -f`, `less`) and the bridge's guard carry no mark: they are spared."""
     ((name, value),) = raycluster.instance_mark(folder).items()
     mark = os.fsencode(f"{name}={value}")
-    prefix = os.path.join(value, "")  # the folder itself, not where a link of that name points
     uid, me, found = os.getuid(), os.getpid(), []
     for p in psutil.process_iter(["uids"]):
         uids = p.info["uids"]
-        if p.pid == me or uids is None or uids.real != uid:
-            continue
-        try:
-            fds = os.listdir(f"/proc/{p.pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                target = os.readlink(f"/proc/{p.pid}/fd/{fd}")
-            except OSError:
-                continue
-            if target.startswith(prefix):
-                if mark in _environment(p.pid):
-                    found.append(p)
-                break
+        if p.pid != me and uids is not None and uids.real == uid and mark in _environment(p.pid):
+            found.append(p)
     return found
 
 
@@ -177,14 +170,21 @@ def _environment(pid: int) -> list[bytes]:
 
 
 def end_processes_using(folder: str, timeout_s: float = _END_TIMEOUT_S) -> list[int]:
-    """SIGKILL every process of this user's that holds a file under ``folder`` (a private Ray
-    instance's: its agents ignore SIGTERM and outlive the raylet), until none is left or the
+    """SIGKILL every process of the private Ray instance in ``folder`` (its agents ignore SIGTERM
+    and outlive the raylet), until none is left or the
     deadline; the pids that were ended."""
-    deadline, ended = time.monotonic() + timeout_s, []
+    deadline, ended, quiet = time.monotonic() + timeout_s, [], 0
     while time.monotonic() < deadline:
-        left = processes_using(folder)
+        left = instance_processes(folder)
         if not left:
-            break
+            # Once more a moment later: a process in the middle of its exec shows no environment
+            # (an agent the raylet started just before it was killed), and would be missed.
+            quiet += 1
+            if quiet == _QUIET_SWEEPS:
+                break
+            time.sleep(_SWEEP_PAUSE_S)
+            continue
+        quiet = 0
         for p in left:
             try:
                 p.kill()  # psutil checks the pid still names the process it found

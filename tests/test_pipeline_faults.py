@@ -175,8 +175,12 @@ def test_a_cause_with_newlines_and_escapes_travels_as_one_line(tmp_path, jpeg_fo
     paths = start_job(job_with(tmp_path, jpeg_folder, monkeypatch, f"if i == 5: {cause}", name="oneline"))
     records = [r for b in read_epoch("oneline", with_meta=True, timeout=60) for r in b.meta["replaced"]]
     assert [r["error"] for r in records] == [r"ValueError: 5\nforged line\x1b[2J\xff"], records
-    lines = [line for line in paths.log.read_text(errors="replace").splitlines() if "forged line" in line]
-    assert lines and all("WARNING bad sample 5 (" in line for line in lines), lines  # none a line of its own
+
+    def logged():  # the batch is in batches/ before its worker's report reaches the master, which logs it
+        return [line for line in paths.log.read_text(errors="replace").splitlines() if "forged line" in line]
+
+    lines = wait_until(logged, timeout_s=20, what="the bad sample's line in daemon.log")
+    assert all("WARNING bad sample 5 (" in line for line in lines), lines  # none a line of its own
     result = cli("start", str(job_with(tmp_path, jpeg_folder, monkeypatch, cause, name="oneline_stop")))
     assert result.returncode == 5, result.stderr
     assert "sample 0 (file " in result.stderr, result.stderr

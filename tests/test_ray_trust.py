@@ -512,11 +512,12 @@ def test_a_ray_client_address_is_refused_before_ray_connects(address):
 
 
 def test_only_the_private_instances_processes_are_ended_not_others_holding_its_files(tmp_path):
-    """The clean-up of a private instance SIGKILLs this user's processes that hold a file under
-    its folder. Before: any of them: the user's own `tail -f <job>/ray/s/session_latest/logs/
-    raylet.err` (or `less`) was SIGKILLed at every stop. Now only a process that carries the
+    """The clean-up of a private instance SIGKILLs this user's processes that carry the
     instance's mark, which every Ray process inherits from the bridge that started it (measured
-    with Ray 2.60: GCS, raylet, both agents, the workers: 8 of 8)."""
+    with Ray 2.60: GCS, raylet, both agents, the workers: 8 of 8). Before issue 24: any process
+    holding a file under its folder, so the user's own `tail -f <job>/ray/s/session_latest/logs/
+    raylet.err` (or `less`) was SIGKILLed at every stop. Then: only marked processes holding a file
+    there, so an agent still starting (forked, no log open yet) outlived a cancelled start (CI)."""
     from prefetchd.raybridge import end_processes_using
 
     folder = tmp_path / "ray"
@@ -525,17 +526,18 @@ def test_only_the_private_instances_processes_are_ended_not_others_holding_its_f
     log.write_text("")
     hold = "import sys; f = open(sys.argv[1]); sys.stdin.read()"
     reader = subprocess.Popen([sys.executable, "-c", hold, str(log)], stdin=subprocess.PIPE)
-    mark = raycluster.instance_mark(str(folder))
-    ray_like = subprocess.Popen(
-        [sys.executable, "-c", hold, str(log)], stdin=subprocess.PIPE, env={**os.environ, **mark}
-    )
+    marked = {**os.environ, **raycluster.instance_mark(str(folder))}
+    ray_like = subprocess.Popen([sys.executable, "-c", hold, str(log)], stdin=subprocess.PIPE, env=marked)
+    wait = "import sys; sys.stdin.read()"  # marked, no file held: an agent still starting
+    starting = subprocess.Popen([sys.executable, "-c", wait], stdin=subprocess.PIPE, env=marked)
     try:
         wait_until(lambda: len(_holding_files_under(folder, os.getuid())) == 2, what="both to open the log")
-        assert end_processes_using(str(folder), timeout_s=10) == [ray_like.pid]
+        assert sorted(end_processes_using(str(folder), timeout_s=10)) == sorted([ray_like.pid, starting.pid])
         ray_like.wait(timeout=10)  # ended (and reaped by end_processes_using: its code reads 0 here)
+        starting.wait(timeout=10)
         assert reader.poll() is None, "the user's own reader of Ray's log was SIGKILLed"
     finally:
-        for p in (reader, ray_like):
+        for p in (reader, ray_like, starting):
             p.stdin.close()
             if p.poll() is None:
                 p.kill()
