@@ -8,11 +8,11 @@ import sys
 
 def main() -> None:
     if sys.argv[1:2] == ["start"]:
-        from . import stopsignals
+        from prefetchd import stopsignals
 
         stopsignals.take()
     try:
-        from .cli import main as run_command
+        from prefetchd.cli.app import main as run_command
     except KeyboardInterrupt:
         sys.exit(130)
     run_command()

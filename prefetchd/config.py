@@ -26,7 +26,7 @@ root = "/data/imagenet/train"
 [mix]
 epoch = "cycle"
 
-[[transform]]            # in order; see prefetchd.transforms
+[[transform]]            # in order; see prefetchd.workers.transforms
 op = "random_resized_crop"
 size = 224
 
@@ -49,15 +49,15 @@ import tomllib
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from prefetchd import settings
+from prefetchd.curve import load_authorized_keys
+from prefetchd.errors import ConfigError
+from prefetchd.settings import default_workers as default_workers  # scripts/bench.py imports it from here
+from prefetchd.workers import transforms
 from prefetchd_client.batchfile import VERSION as BATCH_FORMAT_VERSION
 from prefetchd_client.layout import parse_tcp_endpoint
 from prefetchd_client.ranks import format_ranks
 from prefetchd_client.transport import load_secret_certificate
-
-from . import settings, transforms
-from .curve import load_authorized_keys
-from .errors import ConfigError
-from .settings import default_workers as default_workers  # scripts/bench.py imports it from here
 
 # Without a config file: the usual ImageNet training crop, or with --mode eval its evaluation view.
 DEFAULT_TRANSFORMS = ({"op": "random_resized_crop", "size": 224}, {"op": "hflip"})

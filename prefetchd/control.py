@@ -33,17 +33,16 @@ from typing import TYPE_CHECKING
 
 import zmq
 
+from prefetchd.curve import load_authorized_keys
+from prefetchd.errors import ConfigError
 from prefetchd_client.layout import SOCKET, JobPaths, parse_tcp_endpoint
 from prefetchd_client.manifest import read_manifest, valid_curve_key, valid_endpoint
 from prefetchd_client.transport import client_curve, connect, load_secret_certificate
 
-from .curve import load_authorized_keys
-from .errors import ConfigError
-
 if TYPE_CHECKING:
     from zmq.auth.thread import ThreadAuthenticator
 
-    from .config import Config
+    from prefetchd.config import Config
 
 log = logging.getLogger("prefetchd.control")  # a child of the daemon's logger: lands in daemon.log
 
@@ -58,7 +57,7 @@ _SCHEMA = {
     "ping": {},
 }
 _REQUIRED = {"position": {"rank", "epoch", "step"}}
-WAIT_FIELDS = frozenset({"wait_s", "waited_steps", "steps", "loader"})  # all or none (prefetchd.stalls checks them)
+WAIT_FIELDS = frozenset({"wait_s", "waited_steps", "steps", "loader"})  # all or none (prefetchd.ops.stalls checks them)
 
 
 class BadMessage(ValueError):

@@ -7,9 +7,8 @@ import os
 import resource
 import sys
 
+from prefetchd.errors import DaemonStop, UserError
 from prefetchd_client.text import printable
-
-from .errors import DaemonStop, UserError
 
 log = logging.getLogger("prefetchd")
 

@@ -12,7 +12,7 @@ else is a BadWorkerMessage, and the master replaces that worker.
                            that moves from one blocked in a call that releases the GIL
                        Done(epoch, step, rank, published, sources, replaced, longest_bad_run)
                        Failed(epoch, step, rank, error, sample, nospace)
-    bridge -> master   ExecutorLost(why)  the Ray cluster can no longer be used (prefetchd.raybridge)
+    bridge -> master   ExecutorLost(why)  the Ray cluster can no longer be used (prefetchd.remote.raybridge)
 """
 
 from __future__ import annotations

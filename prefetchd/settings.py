@@ -1,7 +1,7 @@
 """Every key of the job config, declared once: its section, type, default, rule, help and flag.
 
 The table below is the single source for what a config file accepts (``prefetchd.config``),
-the flags of ``prefetchd start`` (``prefetchd.cli``), the config that ``prefetchd status
+the flags of ``prefetchd start`` (``prefetchd.cli.app``), the config that ``prefetchd status
 --json`` echoes (``echo``) and the README's config table (``markdown_table``). A new key is
 one more ``Setting`` here and one field of ``Config``; a test fails when they disagree.
 
@@ -18,15 +18,14 @@ from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
+from prefetchd.errors import ConfigError
+from prefetchd.plan import MIX_RULES
+from prefetchd.sizes import parse_size
 from prefetchd_client.layout import MAX_RANK, check_job_name, parse_tcp_endpoint
 from prefetchd_client.ranks import parse_ranks
 
-from .errors import ConfigError
-from .plan import MIX_RULES
-from .sizes import parse_size
-
 SECTIONS = ("job", "daemon", "mix", "pipeline")
-# The JPEG decoders, slowest first; prefetchd.transforms.NATIVE_DECODERS implements all but Pillow.
+# The JPEG decoders, slowest first; prefetchd.workers.transforms.NATIVE_DECODERS implements all but Pillow.
 DECODERS = ("pillow", "simplejpeg", "turbojpeg")
 Rule = tuple[Callable[[Any], bool], str]  # (is the value valid, what "must be" it is)
 
@@ -160,7 +159,7 @@ _HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?")  # a D
 def parse_metrics_address(value) -> str:
     """``--metrics`` as ``"HOST:PORT"`` (``"[V6]:PORT"``); a bare ``:PORT`` or ``PORT`` (an int in TOML)
     is loopback, 127.0.0.1. Only the form is checked here: the host is resolved, and the port
-    bound, by the daemon's start-up (prefetchd.metrics_http). ValueError says what is accepted."""
+    bound, by the daemon's start-up (prefetchd.ops.metrics_http). ValueError says what is accepted."""
     text = str(value) if type(value) is int else value
     if len(text) > 270 or not text.isprintable() or not text.isascii():  # a name is at most 253 bytes
         raise ValueError(f"expected {_METRICS_FORMS}, got {text[:60]!r}{' (cut)' if len(text) > 60 else ''}")
@@ -240,7 +239,7 @@ SETTINGS: tuple[Setting, ...] = (
         help="the JPEG decoder: auto (the fastest installed), turbojpeg (libjpeg-turbo decodes only the crop's "
         "region), simplejpeg (libjpeg-turbo, whole image), or pillow; each gives slightly different pixels",
         default="auto",
-        choices=("auto", *DECODERS),  # resolved, and checked installed, by prefetchd.transforms.resolve_decoder
+        choices=("auto", *DECODERS),  # resolved, and checked installed, by prefetchd.workers.transforms.resolve_decoder
     ),
     # -- [daemon]: how this node serves it
     Setting(

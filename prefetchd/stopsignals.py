@@ -16,7 +16,7 @@ import collections
 import select
 import signal
 
-from .errors import JobError
+from prefetchd.errors import JobError
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

@@ -1,7 +1,7 @@
 """prefetchd against torch.utils.data.DataLoader: the same JPEGs, recipe and number of workers.
 
 One run measures every row below on one folder of generated ImageNet-sized JPEGs (500 x 375
-or 375 x 500, ~110 KB, made with prefetchd.datagen in a temporary folder removed at the end).
+or 375 x 500, ~110 KB, made with prefetchd.cli.datagen in a temporary folder removed at the end).
 Within each repeat the systems alternate (the order rotates), and the table shows medians
 over the repeats. The systems: prefetchd (one daemon with N workers, PrefetchLoader) and
 DataLoader (the usual Dataset: PIL open and full decode, the recipe, flip, uint8 HWC tensor;
@@ -66,11 +66,11 @@ from rich.table import Table
 from torch.utils.data import DataLoader
 
 from prefetchd import control
+from prefetchd.cli.datagen import make_image
+from prefetchd.cli.launch import start_detached, stop_job
 from prefetchd.config import build_config, default_workers
-from prefetchd.datagen import make_image
-from prefetchd.launch import start_detached, stop_job
 from prefetchd.settings import DECODERS
-from prefetchd.transforms import ImagePipeline, resolve_decoder
+from prefetchd.workers.transforms import ImagePipeline, resolve_decoder
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.batchfile import BatchLayout, BatchWriter, FieldSpec, map_batch
 from prefetchd_client.layout import JobPaths

@@ -39,8 +39,8 @@ import torch
 from bench_dataloader import JpegFolder
 from torch.utils.data import DataLoader
 
-from prefetchd.datagen import make_image_folder
-from prefetchd.launch import stop_job
+from prefetchd.cli.datagen import make_image_folder
+from prefetchd.cli.launch import stop_job
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.layout import JobPaths
 
@@ -49,9 +49,9 @@ DALI_SCRIPT = Path(__file__).with_name("bench_dali.py")
 # What `prefetchd start` runs, in the order it runs them: each a fresh interpreter.
 STEPS = {
     "interpreter": "pass",
-    "command (prefetchd.cli)": "import prefetchd.cli",
-    "daemon (master side)": "import prefetchd.daemon, prefetchd.config, prefetchd.startup",
-    "worker server (preload)": "import prefetchd.worker, cv2, simplejpeg",
+    "command (prefetchd.cli.app)": "import prefetchd.cli.app",
+    "daemon (master side)": "import prefetchd.master.daemon, prefetchd.config, prefetchd.master.startup",
+    "worker server (preload)": "import prefetchd.workers.worker, cv2, simplejpeg",
 }
 
 

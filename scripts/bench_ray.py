@@ -23,9 +23,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from prefetchd.cli.datagen import make_image_folder
+from prefetchd.cli.launch import start_detached, stop_job
 from prefetchd.config import build_config
-from prefetchd.datagen import make_image_folder
-from prefetchd.launch import start_detached, stop_job
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.layout import JobPaths
 

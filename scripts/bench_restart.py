@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 
 from prefetchd import control
+from prefetchd.cli.datagen import make_image_folder
+from prefetchd.cli.launch import start_detached, stop_job
 from prefetchd.config import build_config
-from prefetchd.datagen import make_image_folder
-from prefetchd.launch import start_detached, stop_job
 from prefetchd_client.layout import JobPaths
 
 BATCH = 32

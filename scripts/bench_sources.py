@@ -20,13 +20,13 @@ import sys
 import time
 from pathlib import Path
 
-from prefetchd import shards
+from prefetchd.cli.datagen import make_image_folder
 from prefetchd.config import build_config
-from prefetchd.datagen import make_image_folder
-from prefetchd.job import build_index
+from prefetchd.master.job import build_index
 from prefetchd.plan import Plan
-from prefetchd.producer import BatchProducer, ProducerSpec
-from prefetchd.sources import scan_image_folder
+from prefetchd.sources import shards
+from prefetchd.sources.index import scan_image_folder
+from prefetchd.workers.producer import BatchProducer, ProducerSpec
 
 TRANSFORMS = [{"op": "random_resized_crop", "size": 224}, {"op": "hflip"}]
 BATCH = 32

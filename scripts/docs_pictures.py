@@ -2,7 +2,7 @@
 
     python scripts/docs_pictures.py [--out docs] [--duration 75] [--capture-at 38]
 
-The run: a folder of generated JPEGs (prefetchd.datagen, 4 classes x 60), a job with world size
+The run: a folder of generated JPEGs (prefetchd.cli.datagen, 4 classes x 60), a job with world size
 2, batch size 8, one worker and an 8 MiB buffer under a private PREFETCHD_ROOT in /dev/shm,
 started with `prefetchd start CONFIG --metrics 127.0.0.1:PORT`, and two trainer processes that
 read it with PrefetchLoader (epoch after epoch, set_epoch each time):
@@ -154,7 +154,7 @@ def real_run(duration: float, at: float | None = None, callback=None) -> dict:
     scrapes: list[dict] = []
     helper: threading.Thread | None = None
     try:
-        from prefetchd.datagen import make_image_folder
+        from prefetchd.cli.datagen import make_image_folder
 
         data = make_image_folder(work / "data", classes=4, per_class=60, size=(200, 400))
         config = write_config(work, data)

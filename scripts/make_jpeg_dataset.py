@@ -5,7 +5,7 @@ python scripts/make_jpeg_dataset.py /tmp/fake-imagenet --classes 10 --per-class 
 
 import argparse
 
-from prefetchd.datagen import make_image_folder
+from prefetchd.cli.datagen import make_image_folder
 
 
 def main() -> None:

@@ -15,8 +15,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from prefetchd.datagen import make_image_folder
-from prefetchd.launch import stop_job
+from prefetchd.cli.datagen import make_image_folder
+from prefetchd.cli.launch import stop_job
 from prefetchd_client.layout import JobPaths
 from prefetchd_client.locks import daemon_alive
 from prefetchd_client.manifest import read_manifest

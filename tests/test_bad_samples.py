@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from prefetchd import control
-from prefetchd.datagen import make_image_folder
+from prefetchd.cli.datagen import make_image_folder
 from prefetchd_client import DaemonDied, PrefetchLoader
 from prefetchd_client.batchfile import map_batch
 from prefetchd_client.layout import JobPaths

@@ -16,7 +16,7 @@ import threading
 import pytest
 
 from prefetchd import control
-from prefetchd.launch import stop_job
+from prefetchd.cli.launch import stop_job
 from prefetchd_client.manifest import read_manifest
 
 from .conftest import daemon_family, start_job, wait_pids_gone, wait_until, write_config

@@ -19,10 +19,11 @@ import psutil
 import pytest
 from PIL import Image
 
-from prefetchd import launch, roidecode, tjlib
+from prefetchd.cli import launch
+from prefetchd.cli.datagen import make_image_folder
 from prefetchd.config import load_config
-from prefetchd.datagen import make_image_folder
-from prefetchd.transforms import ImagePipeline
+from prefetchd.workers import roidecode, tjlib
+from prefetchd.workers.transforms import ImagePipeline
 from prefetchd_client.layout import JobPaths
 from prefetchd_client.locks import daemon_alive
 from prefetchd_client.manifest import read_manifest
@@ -76,7 +77,7 @@ def test_a_daemon_whose_command_never_sends_the_job_gives_up_and_says_why(monkey
     # As a `prefetchd start` stopped (Ctrl-Z, SIGSTOP) before it sent the job: the daemon, its
     # fork server and resource tracker must not wait for it for ever.
     monkeypatch.setattr(
-        launch, "_DAEMON_ENTRY", "import sys, prefetchd.daemon as d; d.ORDER_TIMEOUT_S = 1.5; sys.exit(d.main())"
+        launch, "_DAEMON_ENTRY", "import sys, prefetchd.master.daemon as d; d.ORDER_TIMEOUT_S = 1.5; sys.exit(d.main())"
     )
     daemon = launch.DaemonLaunch()
     try:

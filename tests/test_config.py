@@ -137,7 +137,7 @@ def test_shipped_configs_are_valid():
     assert [t["op"] for t in imagenet.transforms] == ["resize_short", "random_crop", "hflip", "color_jitter"]
     assert imagenet.transforms[0] == {"op": "resize_short", "min": 256, "max": 480}
     demo = load_config(root / "demo.toml")
-    from prefetchd.demo import DEMO_TRANSFORMS
+    from prefetchd.cli.demo import DEMO_TRANSFORMS
 
     assert list(demo.transforms) == DEMO_TRANSFORMS
 

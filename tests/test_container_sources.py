@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefetchd.sources import scan_image_folder
+from prefetchd.sources.index import scan_image_folder
 
 from .conftest import cli, start_job, write_config
 from .helpers import read_epoch

@@ -13,7 +13,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from prefetchd.datagen import make_image_folder
+from prefetchd.cli.datagen import make_image_folder
 from prefetchd.errors import (
     MAX_MESSAGE_CHARS,
     ConfigError,

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from prefetchd.config import load_config
 from prefetchd.errors import ConfigError
 from prefetchd.plan import Plan
-from prefetchd.sources import scan_image_folder
-from prefetchd.transforms import ImagePipeline
+from prefetchd.sources.index import scan_image_folder
+from prefetchd.workers.transforms import ImagePipeline
 
 from .conftest import start_job, write_config
 from .helpers import read_epoch

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefetchd import control
-from prefetchd.producer import PRODUCER_SPEC, BatchProducer, ProducerSpec
+from prefetchd.workers.producer import PRODUCER_SPEC, BatchProducer, ProducerSpec
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.locks import daemon_alive
 from prefetchd_client.manifest import read_manifest

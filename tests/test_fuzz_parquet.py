@@ -31,8 +31,8 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 from prefetchd.errors import DataError  # noqa: E402
-from prefetchd.parquetsource import ParquetRows, scan_parquet  # noqa: E402
-from prefetchd.sources import NO_LABEL  # noqa: E402
+from prefetchd.sources.index import NO_LABEL  # noqa: E402
+from prefetchd.sources.parquetsource import ParquetRows, scan_parquet  # noqa: E402
 
 _HUB_IMAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 _WHERE = "[[source]] #1 (parquet)"

@@ -37,9 +37,9 @@ from pathlib import Path
 
 import pytest
 
-from prefetchd import shards
 from prefetchd.errors import DataError
-from prefetchd.sources import NO_LABEL
+from prefetchd.sources import shards
+from prefetchd.sources.index import NO_LABEL
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -13,7 +13,7 @@ import pytest
 import zmq
 
 from prefetchd import control
-from prefetchd.status import Rates
+from prefetchd.ops.status import Rates
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.layout import JobPaths, write_progress
 from prefetchd_client.locks import daemon_alive

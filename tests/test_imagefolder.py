@@ -19,10 +19,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefetchd.datagen import make_image
+from prefetchd.cli.datagen import make_image
 from prefetchd.errors import DataError
 from prefetchd.plan import Plan
-from prefetchd.sources import SampleIndex, read_file_list, scan_image_folder
+from prefetchd.sources.index import SampleIndex, read_file_list, scan_image_folder
 
 from .conftest import cli, start_job, wait_until, write_config
 from .helpers import read_epoch

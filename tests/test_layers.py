@@ -6,7 +6,13 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).parent.parent
-DAEMON_MODULES = ["prefetchd.cli", "prefetchd.daemon", "prefetchd.master", "prefetchd.worker", "prefetchd.demo"]
+DAEMON_MODULES = [
+    "prefetchd.cli.app",
+    "prefetchd.master.daemon",
+    "prefetchd.master.loop",
+    "prefetchd.workers.worker",
+    "prefetchd.cli.demo",
+]
 
 
 def imported_after(code: str) -> set[str]:
@@ -34,10 +40,10 @@ def test_the_client_needs_only_numpy_and_pyzmq():
 def test_workers_and_the_command_pay_nothing_for_the_loader():
     """The package's names load on first use: a worker and `prefetchd start` import parts of the
     client (the batch format, the job's folders), never the loader, ZeroMQ's asyncio or Ray."""
-    for code in ("import prefetchd.worker", "import prefetchd.cli, prefetchd.launch"):
+    for code in ("import prefetchd.workers.worker", "import prefetchd.cli.app, prefetchd.cli.launch"):
         modules = imported_after(code)
         assert not {"asyncio", "torch", "ray"} & modules, code
-    assert "zmq" not in imported_after("import prefetchd.worker")
+    assert "zmq" not in imported_after("import prefetchd.workers.worker")
 
 
 def test_no_pickle_where_a_peer_can_write():

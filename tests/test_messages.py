@@ -10,7 +10,7 @@ import pytest
 
 from prefetchd import messages
 from prefetchd.messages import BadWorkerMessage, BootFailed, Done, Failed, Heartbeat, Produce, Ready, Stop
-from prefetchd.producer import PRODUCER_SPEC, SPEC_VERSION, ProducerSpec, SpecMismatch
+from prefetchd.workers.producer import PRODUCER_SPEC, SPEC_VERSION, ProducerSpec, SpecMismatch
 from prefetchd_client import PlanMismatch, PrefetchLoader
 from prefetchd_client.manifest import MANIFEST_VERSION
 

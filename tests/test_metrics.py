@@ -24,10 +24,10 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefetchd import metrics
 from prefetchd.config import load_config
 from prefetchd.errors import ConfigError
-from prefetchd.metrics_http import MetricsServer
+from prefetchd.ops import metrics
+from prefetchd.ops.metrics_http import MetricsServer
 from prefetchd_client.manifest import read_manifest
 
 from .conftest import daemon_family, start_job, wait_pids_gone, wait_until, write_config
@@ -374,8 +374,8 @@ def test_a_flood_of_requests_and_garbage_bytes_do_not_stop_the_daemon(tmp_path, 
 def test_the_docs_table_is_the_metrics_table():
     text = (REPO / "docs" / "operations.md").read_text()
     assert metrics.markdown_table() in text, (
-        "docs/operations.md's metrics table differs from prefetchd.metrics.METRICS: regenerate it with "
-        "python -c 'from prefetchd.metrics import markdown_table; print(markdown_table())'"
+        "docs/operations.md's metrics table differs from prefetchd.ops.metrics.METRICS: regenerate it with "
+        "python -c 'from prefetchd.ops.metrics import markdown_table; print(markdown_table())'"
     )
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from prefetchd import control
-from prefetchd.datagen import make_image_folder
+from prefetchd.cli.datagen import make_image_folder
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.batchfile import map_batch
 

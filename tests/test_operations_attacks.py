@@ -18,7 +18,7 @@ import urllib.error
 
 import pytest
 
-from prefetchd.sdnotify import Notifier
+from prefetchd.ops.sdnotify import Notifier
 from prefetchd_client.layout import JobPaths
 
 from .conftest import cli, daemon_family, start_job, wait_pids_gone, wait_until, write_config

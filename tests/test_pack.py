@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from prefetchd.datagen import make_image, make_image_folder
+from prefetchd.cli.datagen import make_image, make_image_folder
 from prefetchd.errors import ExitCode
-from prefetchd.sources import scan_image_folder
+from prefetchd.sources.index import scan_image_folder
 
 from .conftest import cli, wait_until
 

@@ -13,10 +13,10 @@ import pytest
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from prefetchd.datagen import make_image  # noqa: E402
+from prefetchd.cli.datagen import make_image  # noqa: E402
 from prefetchd.errors import ConfigError, DataError  # noqa: E402
-from prefetchd.parquetsource import ParquetRows, scan_parquet  # noqa: E402
-from prefetchd.sources import NO_LABEL, PARQUET_ROW  # noqa: E402
+from prefetchd.sources.index import NO_LABEL, PARQUET_ROW  # noqa: E402
+from prefetchd.sources.parquetsource import ParquetRows, scan_parquet  # noqa: E402
 
 from .conftest import cli, start_job, write_config  # noqa: E402
 from .helpers import read_epoch  # noqa: E402

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from prefetchd.parquetpages import ColumnChunk, Unsupported  # noqa: E402
-from prefetchd.parquetsource import ParquetRows  # noqa: E402
+from prefetchd.sources.parquetpages import ColumnChunk, Unsupported  # noqa: E402
+from prefetchd.sources.parquetsource import ParquetRows  # noqa: E402
 
 _HUB_IMAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 

@@ -15,9 +15,9 @@ import textwrap
 
 import pytest
 
-from prefetchd.datagen import make_image_folder
-from prefetchd.producer import PRODUCER_SPEC, BatchProducer, ProducerSpec
-from prefetchd.verify import verify_batch
+from prefetchd.cli.datagen import make_image_folder
+from prefetchd.cli.verify import verify_batch
+from prefetchd.workers.producer import PRODUCER_SPEC, BatchProducer, ProducerSpec
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.batchfile import BatchFormatError
 from prefetchd_client.manifest import read_manifest

@@ -5,7 +5,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from prefetchd.errors import DaemonStop, ExitCode
-from prefetchd.policy import BadSampleBudget, NoSpaceBackoff, Refusals, RestartBudget, TaskRetries
+from prefetchd.master.policy import BadSampleBudget, NoSpaceBackoff, Refusals, RestartBudget, TaskRetries
 
 LOG = "/dev/shm/prefetchd-0/job/daemon.log"
 TASK, NAME = (1, 3), "e0 s3 r1"

@@ -27,7 +27,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from prefetchd import rayaddress, raycluster, rayresults
+from prefetchd.remote import rayaddress, raycluster, rayresults
 
 from .conftest import cli, wait_until, write_config
 from .crossusers import ALICE, MALLORY, no_traceback
@@ -518,7 +518,7 @@ def test_only_the_private_instances_processes_are_ended_not_others_holding_its_f
     holding a file under its folder, so the user's own `tail -f <job>/ray/s/session_latest/logs/
     raylet.err` (or `less`) was SIGKILLed at every stop. Then: only marked processes holding a file
     there, so an agent still starting (forked, no log open yet) outlived a cancelled start (CI)."""
-    from prefetchd.raybridge import end_processes_using
+    from prefetchd.remote.raybridge import end_processes_using
 
     folder = tmp_path / "ray"
     (folder / "s" / "logs").mkdir(parents=True)
@@ -586,7 +586,7 @@ def test_the_guard_removes_only_a_folder_of_the_users_own(users):
     made = mallory.run("/bin/sh", "-c", f"mkdir -m 777 {theirs} && echo hers > {theirs}/file")
     assert made.returncode == 0, made.stderr
     code = (
-        "import sys; from prefetchd.raybridge import _guard_private_instance; "
+        "import sys; from prefetchd.remote.raybridge import _guard_private_instance; "
         "print(_guard_private_instance(sys.argv[1]).pid, flush=True)"
     )
     try:

@@ -10,9 +10,9 @@ import json
 import numpy as np
 import pytest
 
-from prefetchd.producer import PRODUCER_SPEC, BatchProducer, ProducerSpec
-from prefetchd.raybridge import not_this_batch
-from prefetchd.sources import SampleIndex
+from prefetchd.remote.raybridge import not_this_batch
+from prefetchd.sources.index import SampleIndex
+from prefetchd.workers.producer import PRODUCER_SPEC, BatchProducer, ProducerSpec
 from prefetchd_client.batchfile import map_batch
 
 from .conftest import start_job, write_config

@@ -1,4 +1,4 @@
-"""The region-of-interest decoder (decoder = "turbojpeg", prefetchd.roidecode) against a whole
+"""The region-of-interest decoder (decoder = "turbojpeg", prefetchd.workers.roidecode) against a whole
 decode of the same JPEG by libjpeg-turbo (simplejpeg, the same geometry): every subsampling,
 sizes off the MCU grid, boxes at the edges, progressive files; and the files it must decline
 or refuse (damaged, CMYK, 12-bit headers, a header claiming a billion pixels, not a JPEG)."""
@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from PIL import Image, ImageFile
 
-from prefetchd import fastdecode, roidecode, tjlib
+from prefetchd.workers import fastdecode, roidecode, tjlib
 
 pytestmark = pytest.mark.skipif(
     not tjlib.available(), reason="no libturbojpeg 3 here (the turbojpeg wheel is not installed)"

@@ -2,7 +2,7 @@
 
 import pytest
 
-from prefetchd.scheduler import Scheduler
+from prefetchd.master.scheduler import Scheduler
 
 
 def drain(s: Scheduler, limit: int = 1000) -> list[tuple[int, int]]:

@@ -24,7 +24,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from prefetchd.sdnotify import ENV_NAMES, SILENT, Notifier
+from prefetchd.ops.sdnotify import ENV_NAMES, SILENT, Notifier
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.layout import JobPaths
 

@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 import zmq.auth
 
-from prefetchd import settings, transforms
+from prefetchd import settings
 from prefetchd.config import Config, build_config, load_config
 from prefetchd.errors import ConfigError
 from prefetchd.plan import Plan
+from prefetchd.workers import transforms
 from prefetchd_client.manifest import read_manifest
 
 from .conftest import cli, start_job, write_config
@@ -142,7 +143,7 @@ def test_status_echoes_the_config(tmp_path, jpeg_folder, job_root):
     result = cli("status", "echo", "--json")
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
-    assert "config" in status, "prefetchd.status.job_status must echo the config: settings.echo(m.config)"
+    assert "config" in status, "prefetchd.ops.status.job_status must echo the config: settings.echo(m.config)"
     assert status["config"] == settings.echo(load_config(config, {"retain": 3}))
 
 

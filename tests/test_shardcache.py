@@ -1,4 +1,4 @@
-"""The shard index cache (prefetchd.shardcache): used only where no other user can have written
+"""The shard index cache (prefetchd.sources.shardcache): used only where no other user can have written
 it, through the real indexing of real tar shards. A planted label (every label set to 2) is read
 back only if the cache file is used; the shard's own labels are 0 1 2 0 ...; the two-user forms
 of these attacks are in test_cross_user_files.py."""
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from prefetchd import shards
+from prefetchd.sources import shards
 
 from .test_shards import good, write_shard
 

@@ -5,8 +5,8 @@ import os
 import pytest
 
 from prefetchd.errors import DataError
-from prefetchd.job import build_index
-from prefetchd.sources import SampleIndex, read_file_list, scan_image_folder
+from prefetchd.master.job import build_index
+from prefetchd.sources.index import SampleIndex, read_file_list, scan_image_folder
 
 
 def touch(path):

@@ -1,5 +1,5 @@
 """Trainer stall accounting: the client's waits in next(), carried with its position reports,
-summed per rank by the daemon (prefetchd.stalls), shown by `prefetchd status` (text, --json and
+summed per rank by the daemon (prefetchd.ops.stalls), shown by `prefetchd status` (text, --json and
 the live --watch view, driven in a real terminal through tmux)."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefetchd import control
-from prefetchd.stalls import WINDOW_S, BadWaits, StallLedger
+from prefetchd.ops.stalls import WINDOW_S, BadWaits, StallLedger
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.layout import JobPaths
 

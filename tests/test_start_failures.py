@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from prefetchd.cli.launch import start_detached
 from prefetchd.config import load_config
 from prefetchd.errors import JobError
-from prefetchd.launch import start_detached
 from prefetchd.plan import Plan
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.layout import JobPaths
@@ -141,7 +141,7 @@ def test_the_daemon_reports_a_config_it_cannot_read_instead_of_dying_silently(jo
     read_fd, write_fd = os.pipe()
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "prefetchd.daemon", "--ready-fd", str(write_fd)],
+            [sys.executable, "-m", "prefetchd.master.daemon", "--ready-fd", str(write_fd)],
             input=stdin,
             capture_output=True,
             pass_fds=(write_fd,),

@@ -129,7 +129,7 @@ def _stop() -> bool:
 def _launched_daemon(command_pid: int) -> psutil.Process | None:
     try:
         for child in psutil.Process(command_pid).children():
-            if "prefetchd.daemon" in " ".join(child.cmdline()):
+            if "prefetchd.master.daemon" in " ".join(child.cmdline()):
                 return child
     except psutil.Error:
         pass

@@ -24,8 +24,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
-from prefetchd import statusview
-from prefetchd.datagen import make_image_folder
+from prefetchd.cli import statusview
+from prefetchd.cli.datagen import make_image_folder
 from prefetchd_client import DaemonDied, PrefetchLoader
 from prefetchd_client.text import printable
 
@@ -265,11 +265,11 @@ def test_rich_emoji_codes_in_data_print_literally(tmp_path):
 
 def test_the_cli_processs_own_log_records_and_warnings_reach_the_terminal_escaped():
     """`prefetchd verify` and `pack` read data in the CLI's own process: a record logged there
-    (a shard member's name, prefetchd.shards) went through logging's last resort, and a
+    (a shard member's name, prefetchd.sources.shards) went through logging's last resort, and a
     library's warnings.warn through warnings' own printing, to stderr as raw bytes."""
     code = (
-        "import logging, warnings, prefetchd.cli; "
-        "logging.getLogger('prefetchd.shards').warning('skipped member %s', '\\x1b]0;PWNED\\x07.jpg'); "
+        "import logging, warnings, prefetchd.cli.app; "
+        "logging.getLogger('prefetchd.sources.shards').warning('skipped member %s', '\\x1b]0;PWNED\\x07.jpg'); "
         "warnings.warn('bad EXIF in \\x1b[2J\\u202e.jpg')"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)

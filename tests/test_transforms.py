@@ -1,4 +1,4 @@
-"""Tests for prefetchd.transforms: validation, shapes, determinism, and the fused
+"""Tests for prefetchd.workers.transforms: validation, shapes, determinism, and the fused
 crop/resize path against a naive full-decode Pillow reference."""
 
 import math
@@ -14,7 +14,7 @@ from PIL import Image, ImageEnhance
 
 from prefetchd.errors import ConfigError
 from prefetchd.settings import DECODERS
-from prefetchd.transforms import NATIVE_DECODERS, OPS, ImagePipeline, validate_transforms
+from prefetchd.workers.transforms import NATIVE_DECODERS, OPS, ImagePipeline, validate_transforms
 
 NATIVE = sorted(NATIVE_DECODERS)
 
@@ -438,6 +438,6 @@ def test_validation_only_ever_raises_config_error(specs):
 
 
 def test_module_does_not_import_torch():
-    code = "import sys, prefetchd.transforms; sys.exit('torch' in sys.modules)"
+    code = "import sys, prefetchd.workers.transforms; sys.exit('torch' in sys.modules)"
     root = Path(__file__).resolve().parents[1]
     assert subprocess.run([sys.executable, "-c", code], cwd=root, check=False).returncode == 0

@@ -21,8 +21,8 @@ the same) at the price that a name holding the four characters ``\\x1b`` reads l
 ESC. Everything else, other scripts and emoji included, is kept.
 
 Where it is applied: at the edge where text leaves for a terminal or an exception message
-(prefetchd_client.errors for every error the client raises, prefetchd.cli and
-prefetchd.statusview for what the CLI prints, prefetchd.logsetup for each line of
+(prefetchd_client.errors for every error the client raises, prefetchd.cli.app and
+prefetchd.cli.statusview for what the CLI prints, prefetchd.logsetup for each line of
 ``daemon.log``), and where a cause is made: a bad sample's reader's words
 (``prefetchd.errors.describe``) travel as one printable line, since a worker's error travels by
 its last line, so the batch header's ``replaced`` records and ``stopped.json`` hold them escaped.

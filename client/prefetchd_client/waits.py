@@ -15,7 +15,7 @@ Fields added to a position report::
     "loader": 8812340911     a random id of this loader: the daemon sums totals per loader,
                              so a restarted trainer's totals add to the rank's, not replace them
 
-The totals only grow for one loader id; the daemon checks that (prefetchd.stalls).
+The totals only grow for one loader id; the daemon checks that (prefetchd.ops.stalls).
 """
 
 from __future__ import annotations

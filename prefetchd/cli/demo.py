@@ -1,0 +1,136 @@
+"""``prefetchd demo``: the whole path on a generated dataset, in one command.
+
+Generates (once, cached) an ImageFolder of real JPEGs, starts a daemon on it, trains a tiny
+CNN on the CPU through PrefetchLoader with a progress bar, prints images/s and how long the
+loop waited for data, and stops the daemon.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from prefetchd import control
+from prefetchd.cli.datagen import make_image_folder
+from prefetchd.cli.launch import start_detached, stop_job
+from prefetchd.config import build_config
+from prefetchd.sizes import format_size
+from prefetchd_client import PrefetchLoader
+from prefetchd_client.layout import JobPaths
+
+# The embedded default; configs/demo.toml is the same recipe as a file.
+DEMO_TRANSFORMS = [
+    {"op": "random_resized_crop", "size": 128},
+    {"op": "hflip"},
+    {"op": "color_jitter", "brightness": 0.2, "contrast": 0.2, "saturation": 0.2},
+]
+DEMO_CLASSES = 10
+
+
+def demo_data(images: int) -> Path:
+    cache = Path(os.environ.get("PREFETCHD_CACHE", Path.home() / ".cache" / "prefetchd"))
+    folder = cache / f"demo-data-{images}"
+    return make_image_folder(folder, classes=DEMO_CLASSES, per_class=max(1, images // DEMO_CLASSES), size=(240, 480))
+
+
+def _train_step_factory():
+    """A tiny CNN step with torch; a numpy stand-in when torch is absent."""
+    try:
+        import torch
+    except ImportError:
+        import numpy as np
+
+        def step(batch):
+            x = np.asarray(batch["image"], dtype=np.float32)
+            return float(x.mean())
+
+        return step
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 16, 5, stride=4),
+        torch.nn.ReLU(),
+        torch.nn.AdaptiveAvgPool2d(1),
+        torch.nn.Flatten(),
+        torch.nn.Linear(16, DEMO_CLASSES),
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+
+    def step(batch):
+        x = batch["image"].permute(0, 3, 1, 2).float().div_(255)
+        loss = torch.nn.functional.cross_entropy(model(x), batch["label"])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss.item()
+
+    return step
+
+
+def run_demo(*, images: int, epochs: int, workers: int | None, buffer: str, root, console: Console) -> dict:
+    data = demo_data(images)
+    own_root = root is None
+    root = Path(tempfile.mkdtemp(prefix="prefetchd-demo-", dir="/dev/shm")) if own_root else Path(root)
+    overrides = {"buffer": buffer, "workers": workers, "batch_size": 32}
+    raw = {
+        "job": {"name": "demo"},
+        "source": [{"kind": "image_folder", "root": str(data)}],
+        "transform": DEMO_TRANSFORMS,
+    }
+    cfg = build_config(raw, base=Path.cwd(), default_name="demo", overrides=overrides)
+    paths = JobPaths.of(cfg.name, root)
+    console.print(f"data: {images} JPEGs in {data}; starting job {cfg.name} with {cfg.workers} worker(s) under {root}")
+    try:
+        start_detached(cfg, paths)
+        loader = PrefetchLoader(cfg.name, root=root, rank=0, world_size=1, timeout=60)
+        train_step = _train_step_factory()
+        waited, seen, loss = 0.0, 0, float("nan")
+        start = time.perf_counter()
+        with Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("{task.fields[info]}"),
+            console=console,
+        ) as bar:
+            task = bar.add_task("training", total=epochs * len(loader), info="")
+            for epoch in range(epochs):
+                batches = iter(loader)
+                while True:
+                    t0 = time.perf_counter()
+                    batch = next(batches, None)
+                    waited += time.perf_counter() - t0
+                    if batch is None:
+                        break
+                    loss = train_step(batch)
+                    seen += len(batch["label"])
+                    bar.update(task, advance=1, info=f"epoch {epoch} loss {loss:.3f}")
+        elapsed = time.perf_counter() - start
+        status = control.request(paths.endpoint, {"op": "status"}) or {}
+        loader.close()
+    finally:
+        stop_job(paths)
+        if own_root:
+            shutil.rmtree(root, ignore_errors=True)
+    buf = status.get("buffer", {})
+    result = {
+        "images": seen,
+        "seconds": elapsed,
+        "images_per_s": seen / elapsed,
+        "waited_s": waited,
+        "peak_bytes": buf.get("peak_bytes"),
+        "bound_bytes": buf.get("bound_bytes"),
+    }
+    console.print(
+        f"trained {seen} images in {elapsed:.2f} s: {result['images_per_s']:.0f} images/s; "
+        f"waited for data {waited:.3f} s ({100 * waited / elapsed:.1f} % of the loop); "
+        f"buffer peak {format_size(result['peak_bytes'] or 0)} of {format_size(result['bound_bytes'] or 0)}",
+        highlight=False,
+    )
+    return result

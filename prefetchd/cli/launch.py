@@ -1,0 +1,281 @@
+"""The command's side of a detached daemon: launch it with a readiness handshake, stop it.
+
+``prefetchd start`` launches the daemon (prefetchd.master.daemon) in a new session and waits on a
+pipe for one JSON line: ``{"ok": true, "pid": P, "job_dir": D}`` once the job serves (manifest
+written, socket bound), or ``{"ok": false, "error": E}``, E the error as data (errors.to_json:
+``{"type", "message", "exit_code"}``). If the process dies without a word, the pipe closes and
+``start`` reports that instead of hanging. This module imports nothing of the daemon itself:
+the command pays only for what it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from prefetchd import control, stopsignals
+from prefetchd.config import Config
+from prefetchd.errors import JobError, error_from_json
+from prefetchd_client.errors import AuthError, UnsafeFolder
+from prefetchd_client.folders import OpenJob, open_job
+from prefetchd_client.layout import JobPaths
+from prefetchd_client.locks import daemon_alive, lock_holder
+
+_START_TIMEOUT_S = 600.0  # indexing a million files on a network filesystem takes a while
+_STOP_TIMEOUT_S = 15.0
+_CANCEL_WAIT_S = 20.0  # to leave its imports, or undo a start (pool.halt, the job folder); then it is killed
+_EXIT_WAIT_S = 30.0  # a daemon that sent its failure only has to exit; then it is killed
+_MAX_MESSAGE_BYTES = 1 << 20  # the readiness line is ~100 bytes; a failure message a few KiB
+# `-c`, not `-m prefetchd.master.daemon`: multiprocessing's spawn re-imports the main module of a `-m`
+# run in every worker it starts, and the daemon's imports cost each worker ~350 ms at every start.
+_DAEMON_ENTRY = "import sys; from prefetchd.master.daemon import main; sys.exit(main())"
+
+
+class DaemonLaunch:
+    """A daemon process, launched before its config is known.
+
+    ``prefetchd start`` launches it first thing (cli.main), so that the daemon's interpreter,
+    its imports and its worker server boot while the command itself imports and parses its
+    flags and config: two processes' start-up side by side instead of one after the other.
+    start_detached then sends it what it serves on stdin; cancel() ends one the command did
+    not use (a bad flag, --help). Until it reads its stdin it has made nothing but its own
+    processes, which end with it."""
+
+    def __init__(self) -> None:
+        self.ready_fd, write_fd = os.pipe()
+        # Its stderr until it can send a message (main() lets it go then): a crash before that,
+        # an import error say, leaves its last words here rather than on /dev/null.
+        self.early_stderr = tempfile.TemporaryFile()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", _DAEMON_ENTRY, "--ready-fd", str(write_fd)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                stderr=self.early_stderr,
+                pass_fds=(write_fd,),
+                start_new_session=True,
+            )
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            os.close(write_fd)
+
+    def send(self, config: Config, paths: JobPaths, keep: bool) -> None:
+        order = {"config": config.to_json(), "job_dir": str(paths.dir), "keep": keep}
+        try:
+            self.proc.stdin.write(json.dumps(order).encode())
+            self.proc.stdin.close()
+        except BrokenPipeError:  # it died at once; the closed pipe, read next, says so
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+
+    def cancel(self) -> None:
+        """End it unused (its worker server and resource tracker follow it) and close our ends.
+        SIGTERM first: the daemon then exits through its exit hooks, which remove the worker
+        server's socket folder from $TMPDIR (a SIGKILL would leave it there)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=_CANCEL_WAIT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc.wait()
+        self.close()
+
+    def close(self) -> None:
+        if self.ready_fd >= 0:
+            os.close(self.ready_fd)
+            self.ready_fd = -1
+        self.early_stderr.close()
+        if getattr(self, "proc", None) is not None and self.proc.stdin and not self.proc.stdin.closed:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+
+
+def start_detached(
+    config: Config,
+    paths: JobPaths,
+    *,
+    keep: bool = False,
+    timeout_s: float = _START_TIMEOUT_S,
+    launched: DaemonLaunch | None = None,
+) -> dict:
+    """Start the daemon in its own session (``launched`` early, or now); return its readiness
+    message or raise UserError: the daemon's own error, rebuilt from its report, when it failed
+    to start (never silence). A stop signal meanwhile (Ctrl-C; SIGTERM too where `prefetchd
+    start` took them, stopsignals) cancels the start, whatever the daemon has got to: the user
+    sees no job start, so none may serve (one it announced a moment before stops at once)."""
+    daemon = launched or DaemonLaunch()
+    try:
+        stopsignals.check_starting()  # one that came while the command read its flags and config
+        msg = _hand_over(daemon, config, paths, keep, timeout_s)
+        stopsignals.check_starting()  # one that came as the daemon announced the job: it stops too
+        return msg
+    except (KeyboardInterrupt, stopsignals.StopRequested):
+        daemon.cancel()
+        name = stopsignals.received() or signal.SIGINT
+        raise JobError(f"stopped by {name.name} while the daemon started: the start was undone") from None
+
+
+def _hand_over(daemon: DaemonLaunch, config: Config, paths: JobPaths, keep: bool, timeout_s: float) -> dict:
+    """Send the daemon its job, then its readiness message, or the UserError it failed with."""
+    proc = daemon.proc
+    try:
+        daemon.send(config, paths, keep)
+        line = _read_line(daemon.ready_fd, timeout_s)
+        if line is None:
+            proc.kill()
+            proc.wait()
+            raise JobError(f"the daemon did not become ready within {timeout_s:.0f} s; it was stopped")
+        msg = _start_message(line)
+        if msg is None:
+            raise JobError(_silent_exit(_wait_exit(proc, _EXIT_WAIT_S), daemon.early_stderr, paths))
+    finally:
+        daemon.close()
+    if not msg["ok"]:
+        _wait_exit(proc, _EXIT_WAIT_S)
+        raise error_from_json(msg["error"])
+    return msg
+
+
+def _start_message(line: bytes) -> dict | None:
+    """The daemon's start-up message, checked; None for none (it died first) or a garbled one.
+    The error a failure carries is checked where it is rebuilt (errors.error_from_json)."""
+    try:
+        msg = json.loads(line)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(msg, dict) or type(msg.get("ok")) is not bool:
+        return None
+    if msg["ok"]:
+        return msg if isinstance(msg.get("job_dir"), str) and type(msg.get("pid")) is int else None
+    return msg if isinstance(msg.get("error"), dict) else None
+
+
+def _silent_exit(code: int, early_stderr, paths: JobPaths) -> str:
+    how = f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+    if code < 0:
+        with contextlib.suppress(ValueError):  # a number no Signals member names keeps its number
+            how = f"killed by {signal.Signals(-code).name}"
+    early_stderr.seek(0, os.SEEK_END)
+    early_stderr.seek(max(0, early_stderr.tell() - 4096))
+    lines = early_stderr.read().decode("utf-8", "replace").strip().splitlines()
+    said = f"; its last output: {lines[-1].strip()}" if lines else ""
+    where = f"; see {paths.log}" if paths.log.exists() else "; `prefetchd start --foreground` shows its output"
+    return f"the daemon exited during start-up ({how}) without a message{said}{where}"
+
+
+def _wait_exit(proc: subprocess.Popen, timeout_s: float) -> int:
+    """Its exit code; killed (and waited for) after ``timeout_s``."""
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
+
+
+def _read_line(fd: int, timeout_s: float) -> bytes | None:
+    """Bytes up to EOF or newline (at most _MAX_MESSAGE_BYTES); None on timeout."""
+    data, deadline = b"", time.monotonic() + timeout_s
+    while b"\n" not in data and len(data) < _MAX_MESSAGE_BYTES:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        if stopsignals.readable_unless_stopped(fd, left):
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            data += chunk
+    return data.strip()
+
+
+def stop_job(paths: JobPaths, *, keep: bool = False, timeout_s: float = _STOP_TIMEOUT_S) -> str:
+    """Stop the job's daemon gracefully, kill it after the deadline; returns what happened.
+
+    Only a job whose root and folder are this user's private folders is touched (open_job),
+    only the process proven to hold its lock is signalled (lock_holder: the manifest's pid
+    could name any process), and its folder is removed relative to the checked root.
+    """
+    try:
+        job = open_job(paths)
+    except FileNotFoundError:
+        raise JobError(f"no prefetchd job {paths.name!r} is running under {paths.dir.parent}") from None
+    except UnsafeFolder as exc:
+        raise JobError(f"{exc}. Nothing was signalled or removed") from None
+    with job:
+        if not daemon_alive(paths, dir_fd=job.dir_fd):
+            if keep:
+                raise JobError(f"no prefetchd job {paths.name!r} is running under {paths.dir.parent}")
+            job.remove()
+            return "not running; removed its stale directory"
+        try:  # at the endpoint in its manifest (ipc or TCP)
+            reply = control.request_job(paths, {"op": "stop", "keep": keep}, timeout_s=3.0, dir_fd=job.dir_fd)
+        except AuthError:
+            reply = None  # no usable CURVE key here: the job is ours (its folders are), so signal it
+        if reply is None:
+            _signal(job, signal.SIGTERM)
+        if _wait_gone(job, timeout_s):
+            return "stopped"
+        pid = _signal(job, signal.SIGKILL)
+        if pid is None:  # it ended on its own just after the deadline
+            return "stopped"
+        if not _wait_gone(job, 10.0):
+            raise JobError(f"the daemon of {paths.name!r} (pid {pid}) survived SIGKILL for 10 s; see {paths.log}")
+        if not keep:
+            job.remove()
+        return f"killed pid {pid} after {timeout_s:.0f} s"
+
+
+def _signal(job: OpenJob, sig: int) -> int | None:
+    """Send ``sig`` to the process proven to hold the job's lock; its pid, or None when the
+    lock is free. JobError, signalling nothing, when the holder cannot be proven."""
+    pid = lock_holder(job)
+    if pid is None:
+        if not daemon_alive(job.paths, dir_fd=job.dir_fd):
+            return None
+        raise JobError(
+            f"the daemon of {job.paths.name!r} did not answer, and the process holding {job.paths.lock} "
+            f"cannot be proven (/proc/locks, /proc/<pid>/fd); nothing was signalled. See {job.paths.log}"
+        )
+    try:
+        # A pidfd names one process: if the pid was reused between the proof and the open,
+        # the proof below fails or the signal reaches no one, never a stranger.
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return pid
+    except OSError as exc:  # no pidfd_open (a kernel before 5.3, a seccomp filter): the pid just proven
+        if exc.errno not in (errno.ENOSYS, errno.EPERM):
+            raise
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+        return pid
+    try:
+        if lock_holder(job) == pid:
+            signal.pidfd_send_signal(pidfd, sig)
+    except ProcessLookupError:
+        pass
+    finally:
+        os.close(pidfd)
+    return pid
+
+
+def _wait_gone(job: OpenJob, timeout_s: float) -> bool:
+    """Wait until the job's lock is free, i.e. its daemon is dead; whether it is, by the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while daemon_alive(job.paths, dir_fd=job.dir_fd):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True

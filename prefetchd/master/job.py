@@ -1,0 +1,164 @@
+"""What a job is, built once at start-up: its index, plan, hashes, producer spec, and the
+batch layout with the byte bound it must fit; and the manifest that tells clients about it.
+
+Nothing here runs a loop or owns a process: ``build_job`` reads the data's file list and
+writes ``index`` and ``producer.json``; ``fit_layout`` checks the bound against a layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+
+from prefetchd.config import Config, content_hash, plan_digest
+from prefetchd.errors import ConfigError, DataError
+from prefetchd.plan import Plan
+from prefetchd.sizes import format_size
+from prefetchd.sources.index import SampleIndex, read_file_list, scan_image_folder
+from prefetchd.sources.parquetsource import scan_parquet
+from prefetchd.sources.shards import scan_webdataset
+from prefetchd.workers.producer import PRODUCER_SPEC, ProducerSpec, plan_layout
+from prefetchd_client.batchfile import VERSION as BATCH_FORMAT_VERSION
+from prefetchd_client.batchfile import BatchLayout, FieldSpec
+from prefetchd_client.layout import JobPaths
+from prefetchd_client.manifest import MANIFEST_VERSION
+
+
+@dataclass(frozen=True)
+class Job:
+    """A job's fixed facts: the same from its first batch to its last."""
+
+    config: Config
+    paths: JobPaths
+    plan: Plan
+    source_names: list[str]
+    content: dict  # what a resume state must match (Config.content)
+    config_hash: str
+    plan_digest: str  # what a batch's bytes depend on (config.plan_digest)
+    spec: ProducerSpec
+
+    def batch_name(self, rank: int, index: int) -> str:
+        """``e3 s12 r1``: how log lines and messages name a batch."""
+        epoch, step = self.plan.unlinear(index)
+        return f"e{epoch} s{step} r{rank}"
+
+
+def build_index(sources: tuple[dict, ...]) -> tuple[SampleIndex, tuple[int, ...]]:
+    """One index over all sources, in config order (sample ids continue across sources),
+    and the number of samples of each source."""
+    parts = []
+    for i, src in enumerate(sources):
+        where = f"[[source]] #{i + 1} ({src['kind']})"
+        if src["kind"] == "image_folder":
+            parts.append(scan_image_folder(src["root"], where))
+        elif src["kind"] == "file_list":
+            parts.append(read_file_list(src["path"], where))
+        elif src["kind"] == "webdataset":
+            parts.append(scan_webdataset(src, where))
+        else:
+            parts.append(scan_parquet(src, where))
+    return SampleIndex.concat(parts), tuple(len(p) for p in parts)
+
+
+def build_job(config: Config, paths: JobPaths) -> Job:
+    """Index the data, plan the epochs, and write what workers and `prefetchd verify` read."""
+    index, sizes = build_index(config.sources)
+    index.save(paths.dir / "index")
+    weights = tuple(s["weight"] for s in config.sources) if "weight" in config.sources[0] else ()
+    evaluation = config.mode == "eval"
+    drop_last = config.drop_last and not evaluation  # an evaluation reads every sample: it pads
+    plan = Plan(
+        len(index), config.world_size, config.batch_size, config.seed, drop_last, sizes, weights, config.mix, evaluation
+    )
+    if plan.batches_per_epoch < 1:
+        raise DataError(
+            f"an epoch has {plan.epoch_length} samples, fewer than one global batch "
+            f"({config.world_size} ranks x batch_size {config.batch_size}); lower --batch-size or add data"
+        )
+    source_names = [s["name"] for s in config.sources]
+    fingerprint = index.fingerprint()
+    content = config.content(len(index), fingerprint)
+    digest = plan_digest(config, plan.to_json(), fingerprint)
+    spec = ProducerSpec(
+        job_dir=str(paths.dir),
+        plan=plan.to_json(),
+        source_names=source_names,
+        transforms=list(config.transforms),
+        pipeline=config.pipeline,
+        config_hash=content_hash(content),
+        on_error=config.on_error,
+        decoder=config.decoder,
+        plan_digest=digest,
+        image_columns=[s["image_column"] if s["kind"] == "parquet" else "" for s in config.sources],
+        label_keys=[s.get("label_key") if s["kind"] == "webdataset" else None for s in config.sources],
+    )
+    write_json(paths.dir / PRODUCER_SPEC, spec.to_json())  # `prefetchd verify` remakes batches from it
+    return Job(config, paths, plan, source_names, content, spec.config_hash, digest, spec)
+
+
+def fit_layout(job: Job, fields: list[FieldSpec]) -> tuple[BatchLayout, int]:
+    """The batch layout of these fields and how many batches the bound holds; ConfigError when
+    the bound is too small for one batch per rank or larger than the filesystem's free space."""
+    cfg = job.config
+    layout = plan_layout(fields, job.source_names)
+    size = layout.size
+    capacity = cfg.buffer_bytes // size
+    served = len(cfg.served_ranks)  # the bound is split between the ranks this daemon serves
+    needed = served * (cfg.retain + 1)
+    if capacity < needed:
+        raise ConfigError(
+            f"--buffer {format_size(cfg.buffer_bytes)} is smaller than one batch per rank: a batch is "
+            f"{format_size(size)}, and {served} rank(s) x (1 ahead + --retain {cfg.retain}) need "
+            f"{format_size(size * needed)}; use --buffer {format_size(size * served * (cfg.retain + 8))} "
+            "or more (a few hundred batches per rank is typical)"
+        )
+    stats = os.statvfs(job.paths.dir)
+    free = stats.f_bavail * stats.f_frsize
+    if cfg.buffer_bytes > free:
+        raise ConfigError(
+            f"--buffer {format_size(cfg.buffer_bytes)} exceeds the {format_size(free)} free on the "
+            f"filesystem of {job.paths.dir.parent}; use a smaller --buffer, another --root, or give the "
+            "container more shared memory (Docker's /dev/shm is 64 MB unless run with --shm-size=32g)"
+        )
+    return layout, capacity
+
+
+def write_manifest(job: Job, layout: BatchLayout, *, window: int, endpoint: str, curve_public_key, started_at) -> None:
+    """What clients read: the plan's shape, the layout, where the control socket is."""
+    cfg = job.config
+    manifest = {
+        "manifest_version": MANIFEST_VERSION,  # clients refuse another version: the packages differ
+        "format_version": BATCH_FORMAT_VERSION,
+        "job": job.paths.name,
+        "config_hash": job.config_hash,
+        "plan_digest": job.plan_digest,  # every batch's meta carries it (verify mode checks)
+        "config": job.content,
+        "num_samples": job.plan.num_samples,
+        "batches_per_epoch": job.plan.batches_per_epoch,
+        "world_size": cfg.world_size,
+        "ranks": list(cfg.served_ranks),  # this node's: a trainer of another rank is told where it is not
+        "batch_size": cfg.batch_size,
+        "global_batch": job.plan.global_batch,
+        "drop_last": cfg.drop_last,
+        "fields": [f.to_json() for f in layout.fields],
+        "batch_bytes": layout.size,
+        "buffer_bytes": cfg.buffer_bytes,
+        "window_per_rank": window,
+        "retain": cfg.retain,
+        "workers": cfg.workers,
+        "pid": os.getpid(),
+        "endpoint": endpoint,
+        "curve_public_key": curve_public_key,  # clients use CURVE when it is set
+        "started_at": started_at,
+    }
+    write_json(job.paths.manifest, manifest)
+
+
+def write_json(path, data: dict) -> None:
+    """Atomically, 0600: a reader sees the whole file or none."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(tmp, path)

@@ -1,0 +1,128 @@
+"""The status report: what `prefetchd status` shows, built from the master's public parts.
+
+Read-only: it looks at the buffer's ledger, the pool's workers, the intake's view of the
+trainers, the policies' counts and the master's rates, and measures the bytes of the files
+on the tmpfs (the ledger says what should be there; the filesystem what is).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import time
+from dataclasses import dataclass, field
+
+from prefetchd import settings
+from prefetchd_client.ranks import format_ranks
+
+_RATE_WINDOW_S = 10.0
+
+
+@dataclass
+class Rates:
+    """Events in the last _RATE_WINDOW_S seconds, for the status rates."""
+
+    events: collections.deque = field(default_factory=collections.deque)
+
+    def add(self, now: float, n: int = 1) -> None:
+        self.events.append((now, n))
+        self._forget_before(now - _RATE_WINDOW_S)  # bounded by the window, whether or not status is asked
+
+    def per_second(self, now: float) -> float:
+        self._forget_before(now - _RATE_WINDOW_S)
+        return sum(n for _, n in self.events) / _RATE_WINDOW_S
+
+    def _forget_before(self, t: float) -> None:
+        while self.events and self.events[0][0] < t:
+            self.events.popleft()
+
+
+def job_status(m) -> dict:  # m: the prefetchd.master.loop.Master, which imports this module
+    """What `prefetchd status` shows: the buffer, each rank, workers, rates, sources, totals."""
+    now = time.monotonic()
+    buffer, plan, intake = m.buffer, m.job.plan, m.intake
+    ranks = []
+    for r, state in buffer.scheduler.ranks.items():
+        epoch, step = plan.unlinear(state.position)
+        last = intake.last_report.get(r)
+        ranks.append(
+            {
+                "rank": r,
+                "trainer": intake.trainers[r],
+                "epoch": epoch,
+                "step": step,
+                "ready": len(state.ready),
+                "in_flight": len(state.in_flight),
+                "consumed": state.consumed,
+                "last_report_s_ago": None if last is None else round(now - last, 3),
+                "wait": intake.stalls.snapshot(r, now),  # None: unknown (a progress-file trainer, or none yet)
+            }
+        )
+    workers = m.pool.snapshot()
+    produced_per_s = m.produce_rate.per_second(now)
+    consumed_per_s = m.consume_rate.per_second(now)
+    return {
+        "job": m.paths.name,
+        "pid": os.getpid(),
+        "uptime_s": round(time.time() - m.started_at, 1),
+        "batches_per_epoch": plan.batches_per_epoch,
+        "world_size": m.config.world_size,
+        "served_ranks": format_ranks(m.config.served_ranks),  # this node's share of the world
+        "config": settings.echo(m.config),
+        "buffer": {
+            "bound_bytes": m.config.buffer_bytes,
+            "used_bytes": buffer.used_bytes,
+            "files_bytes": buffer.files_bytes(now),
+            "pinned_batches": len(buffer.retired.pinned),
+            "pinned_bytes": buffer.retired.pinned_bytes,
+            "peak_bytes": buffer.peak_bytes,
+            "batch_bytes": buffer.layout.size,
+            "window_per_rank": buffer.scheduler.window,
+            "retain_per_rank": buffer.scheduler.retain,
+        },
+        "ranks": ranks,
+        "backing_off_no_space": m.no_space.backing_off,
+        "executor": m.pool.executor_status(),
+        "workers": {
+            "count": len(workers),
+            "busy": sum(w["task"] is not None for w in workers),
+            "restarts": m.restarts.recent,
+            "pids": [w["pid"] for w in workers],
+            "each": workers,
+        },
+        "rates": {
+            "produced_batches_per_s": round(produced_per_s, 2),
+            "consumed_batches_per_s": round(consumed_per_s, 2),
+            "produced_images_per_s": round(produced_per_s * m.config.batch_size, 1),
+            "consumed_images_per_s": round(consumed_per_s * m.config.batch_size, 1),
+        },
+        "sources": _mix_status(m),
+        "totals": {
+            "produced": m.produced,
+            "deleted": buffer.deleted,
+            "bad_samples": m.samples.bad,
+            "bad_messages": intake.refusals.counts["message"],
+            "refused": dict(intake.refusals.counts),  # peer input dropped, by kind (prefetchd.master.intake)
+            # Counters since the start, for /metrics (prefetchd.ops.metrics); workers.restarts is the last minute's.
+            "produced_images": m.produced * m.config.batch_size,
+            "consumed_images": sum(r.consumed for r in buffer.scheduler.ranks.values()) * m.config.batch_size,
+            "worker_restarts": m.worker_restarts,
+        },
+    }
+
+
+def _mix_status(m) -> list[dict]:
+    """Each source's configured share and its realised share of the samples produced."""
+    plan = m.job.plan
+    total = sum(m.produced_per_source)
+    configured = plan.source_counts() / plan.epoch_length if plan.mixing else None
+    return [
+        {
+            "name": name,
+            "weight": src.get("weight"),
+            "configured_share": None if configured is None else round(float(configured[i]), 4),
+            "realised_share": round(n / total, 4) if total else None,
+            "samples_produced": n,
+        }
+        for i, (name, src, n) in enumerate(zip(m.job.source_names, m.config.sources, m.produced_per_source))
+    ]

@@ -1,0 +1,353 @@
+"""Sample indexes: which file and label each sample id names.
+
+The index is kept in numpy arrays, not Python lists (a list of 1.28 M path strings costs
+hundreds of MB per process and dirties copy-on-write pages): all paths concatenated into
+one byte array plus offsets, and an int64 label array. The master writes them once as
+``.npy`` files in the job directory; workers map them read-only.
+
+Paths are kept as the file system's bytes (``os.fsencode``), not as UTF-8 text: Linux allows
+any bytes in a file name, and a name that is not UTF-8 is a valid image all the same. It
+comes back as Python's surrogate-escaped ``str`` (``os.fsdecode``), the very string that
+``os.scandir`` and torchvision's ImageFolder give for it, and ``open`` takes it as it is.
+For UTF-8 names the bytes are those of ``str.encode()``, so fingerprints of existing
+indexes do not change.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from prefetchd.errors import DataError
+
+# torchvision's ImageFolder extensions.
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+_FILES = ("paths.npy", "offsets.npy", "labels.npy")
+_CONTAINER_FILES = ("kinds.npy", "members.npy")
+
+# Where a sample's image lies (SampleIndex.kinds); ``members`` says where in its container.
+FILE = 0  # the whole file at its path (members unused)
+TAR_MEMBER = 1  # members = (byte offset, size) of the image member in the tar at its path; negative: shards._NO_IMAGE
+PARQUET_ROW = 2  # members = (row group, row within it) of the Parquet file at its path
+NO_LABEL = -1  # a container sample without a label: a bad sample when it is read
+
+
+@dataclass(frozen=True)
+class SampleIndex:
+    paths: np.ndarray  # uint8, every path's file-system bytes (os.fsencode) back to back
+    offsets: np.ndarray  # int64, len + 1: path i is paths[offsets[i]:offsets[i + 1]]
+    labels: np.ndarray  # int64
+    # Only where some sample lives in a container (tar shard, Parquet file): uint8 (n,) kind
+    # and int64 (n, 2) place of each. None for files only, so their fingerprints stay as they were.
+    kinds: np.ndarray | None = None
+    members: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def kind(self, i: int) -> int:
+        return FILE if self.kinds is None else int(self.kinds[i])
+
+    def member(self, i: int) -> tuple[int, int]:
+        a, b = self.members[i]
+        return int(a), int(b)
+
+    def path(self, i: int) -> str:
+        return os.fsdecode(self.paths[self.offsets[i] : self.offsets[i + 1]].tobytes())
+
+    def label(self, i: int) -> int:
+        return int(self.labels[i])
+
+    @classmethod
+    def from_lists(cls, paths: list[str], labels: list[int]) -> SampleIndex:
+        encoded = [os.fsencode(p) for p in paths]
+        offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+        np.cumsum([len(b) for b in encoded], out=offsets[1:])
+        return cls(np.frombuffer(b"".join(encoded), dtype=np.uint8), offsets, np.asarray(labels, dtype=np.int64))
+
+    @classmethod
+    def in_containers(cls, containers: list[str], counts: list[int], kind: int, members, labels) -> SampleIndex:
+        """Samples that live in containers: ``counts[j]`` consecutive samples in ``containers[j]``,
+        each at ``members`` (n, 2) of ``kind``."""
+        n = int(sum(counts))
+        encoded = [os.fsencode(c) for c in containers]
+        lengths = np.repeat(np.asarray([len(b) for b in encoded], dtype=np.int64), counts)
+        offsets = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        paths = np.frombuffer(b"".join(b * c for b, c in zip(encoded, counts)), dtype=np.uint8)
+        members = np.asarray(members, dtype=np.int64).reshape(n, 2)
+        return cls(paths, offsets, np.asarray(labels, dtype=np.int64), np.full(n, kind, np.uint8), members)
+
+    @classmethod
+    def concat(cls, parts: list[SampleIndex]) -> SampleIndex:
+        if len(parts) == 1:
+            return parts[0]
+        shifts = np.cumsum([0] + [len(p.paths) for p in parts[:-1]])
+        offsets = np.concatenate([parts[0].offsets[:1]] + [p.offsets[1:] + s for p, s in zip(parts, shifts)])
+        kinds = members = None
+        if any(p.kinds is not None for p in parts):
+            kinds = np.concatenate([np.full(len(p), FILE, np.uint8) if p.kinds is None else p.kinds for p in parts])
+            members = np.concatenate(
+                [np.full((len(p), 2), -1, np.int64) if p.members is None else p.members for p in parts]
+            )
+        labels = np.concatenate([p.labels for p in parts])
+        return cls(np.concatenate([p.paths for p in parts]), offsets, labels, kinds, members)
+
+    def _arrays(self) -> tuple[tuple[str, np.ndarray], ...]:
+        named = zip(_FILES, (self.paths, self.offsets, self.labels))
+        if self.kinds is None:
+            return tuple(named)
+        return (*named, *zip(_CONTAINER_FILES, (self.kinds, self.members)))
+
+    def fingerprint(self) -> str:
+        """Identifies the sample list: a resume on changed data must not pass as exact."""
+        h = hashlib.sha256()
+        for _, a in self._arrays():
+            h.update(np.ascontiguousarray(a).tobytes())
+        return h.hexdigest()[:16]
+
+    def save(self, folder: Path) -> None:
+        folder.mkdir(mode=0o700, exist_ok=True)
+        for name, a in self._arrays():
+            np.save(folder / name, a, allow_pickle=False)
+
+    @classmethod
+    def load(cls, folder: Path) -> SampleIndex:
+        names = _FILES + (_CONTAINER_FILES if os.path.lexists(folder / _CONTAINER_FILES[0]) else ())
+        for name in names:  # np.load would block on a FIFO planted under the name
+            if not stat.S_ISREG(os.lstat(folder / name).st_mode):
+                raise ValueError(f"{folder / name} is not a regular file")
+        return cls(*(np.load(folder / name, mmap_mode="r", allow_pickle=False) for name in names))
+
+
+def open_data_file(path: str) -> tuple[int, os.stat_result]:
+    """``path`` opened for reading, and its stat. What the index names may since have been
+    replaced by a FIFO or a device, which a plain open would block on or read without end: it
+    is opened without blocking and refused (ValueError, the fd closed) unless a regular file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise ValueError(f"{path} is no longer a regular file")
+    return fd, st
+
+
+def scan_image_folder(root: str, where: str) -> SampleIndex:
+    """torchvision's ``ImageFolder(root).samples``, path for path and label for label.
+
+    The same rules as torchvision's ``find_classes`` and ``make_dataset`` (folder.py, 0.28):
+    the classes are the sorted names of every sub-folder of ``root``, hidden ones and
+    symlinked ones included; each class folder is walked like ``os.walk(..., followlinks=True)``,
+    the folders visited in sorted order of their paths, the files of each in sorted order of
+    their names, and a file counts when its name ends, in any case, in one of
+    IMAGE_EXTENSIONS. Where torchvision would go on silently with a wrong list (a folder it
+    cannot list, a symlink loop it follows until the kernel's ELOOP, an image name that is not
+    a regular file and would fail or block at read time), the scan stops with a DataError
+    naming the path instead.
+    """
+    root = os.path.expanduser(root)
+    _check_data_folder(root, where)
+    classes = find_classes(root, where)
+    # A link back to the root loops too: counting the root as an ancestor names that link.
+    above = (_folder_identity(root, where),)
+    paths, labels, empty = [], [], []
+    for label, cls in enumerate(classes):
+        files = _image_files(os.path.join(root, cls), above, where)
+        if not files:
+            empty.append(cls)
+        paths.extend(files)
+        labels.extend([label] * len(files))
+    if empty:
+        raise DataError(_empty_classes_message(root, empty, where))
+    return SampleIndex.from_lists(paths, labels)
+
+
+def _shown(path: str) -> str:
+    """A path fit for a message: the bytes of a name that is not UTF-8 as \\xNN escapes."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def _check_data_folder(root: str, where: str) -> None:
+    fix = "set root in [[source]] or pass --data FOLDER"
+    if not os.path.exists(root):
+        raise DataError(f"{where}: data folder {_shown(root)} does not exist; {fix}")
+    if not os.path.isdir(root):
+        raise DataError(
+            f"{where}: {_shown(root)} is not a folder; image_folder expects <root>/<class>/<image>; {fix}"
+        )
+
+
+def find_classes(root: str, where: str) -> list[str]:
+    """torchvision's find_classes: every entry that is a folder once symlinks are followed."""
+    classes = []
+    try:
+        with os.scandir(root) as entries:
+            for entry in entries:
+                if _is_class_folder(entry, where):
+                    classes.append(entry.name)
+    except OSError as exc:
+        raise DataError(f"{where}: cannot list {_shown(root)}: {exc.strerror}") from None
+    if not classes:
+        raise DataError(
+            f"{where}: {_shown(root)} has no class sub-folders; image_folder expects <root>/<class>/<image>"
+        )
+    return sorted(classes)
+
+
+def _is_class_folder(entry: os.DirEntry, where: str) -> bool:
+    # DirEntry.is_dir() answers False for a dangling symlink but raises for any other stat
+    # error (ELOOP, EACCES); torchvision lets that escape, the scan names the entry.
+    try:
+        return entry.is_dir()
+    except OSError as exc:
+        raise DataError(f"{where}: cannot tell whether {_shown(entry.path)} is a folder: {exc.strerror}") from None
+
+
+def _image_files(class_folder: str, above: tuple, where: str) -> list[str]:
+    """The image paths under one class folder, in make_dataset's order.
+
+    make_dataset sorts the tuples of ``os.walk``, that is the folders by their whole path
+    ("a/b-c" before "a/b/x", since "-" < "/"), not in the order the walk visits them.
+    """
+    folders = sorted(_walk(class_folder, above, where))
+    return [os.path.join(folder, name) for folder, names in folders for name in sorted(names)]
+
+
+def _walk(top: str, above: tuple, where: str) -> list[tuple[str, list[str]]]:
+    """(folder, names of its images) for ``top`` and every folder below it, as
+    ``os.walk(top, followlinks=True)`` sees them, but loud where os.walk is silent: it skips
+    a folder it cannot list, and it follows a link back to a folder it is inside of until the
+    kernel refuses the path (ELOOP), listing the same images some forty times over."""
+    found = []
+    pending = [(top, above)]
+    while pending:
+        folder, ancestors = pending.pop()
+        identity = _folder_identity(folder, where)
+        if identity in ancestors:
+            raise DataError(
+                f"{where}: {_shown(folder)} leads back into a folder that contains it (a symlink loop); "
+                "torchvision would list its images again and again: remove the link"
+            )
+        subfolders, images = _list_folder(folder, where)
+        found.append((folder, images))
+        pending.extend((os.path.join(folder, sub), (*ancestors, identity)) for sub in subfolders)
+    return found
+
+
+def _folder_identity(folder: str, where: str) -> tuple[int, int]:
+    try:
+        st = os.stat(folder)
+    except OSError as exc:
+        raise DataError(f"{where}: cannot read {_shown(folder)}: {exc.strerror}") from None
+    return st.st_dev, st.st_ino
+
+
+def _list_folder(folder: str, where: str) -> tuple[list[str], list[str]]:
+    """Names of the sub-folders, split from the rest as os.walk splits them, and of the images.
+
+    torchvision tests the extension on the whole path, lower-cased; testing the name is the
+    same, since str.lower() maps character by character (only a final sigma looks at its
+    neighbours, and no extension ends in one).
+    """
+    subfolders, images = [], []
+    try:
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                if _walk_is_folder(entry):
+                    subfolders.append(entry.name)
+                elif entry.name.lower().endswith(IMAGE_EXTENSIONS):
+                    _check_image_is_file(entry, where)
+                    images.append(entry.name)
+    except OSError as exc:
+        raise DataError(f"{where}: cannot list {_shown(folder)}: {exc.strerror}") from None
+    return subfolders, images
+
+
+def _walk_is_folder(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False  # as os.walk does: the entry goes with the files
+
+
+def _check_image_is_file(entry: os.DirEntry, where: str) -> None:
+    """An image name must be a regular file once symlinks are followed: torchvision lists a
+    dangling link, a FIFO or a device too, and reading it later fails or blocks forever."""
+    try:
+        if entry.is_file():
+            return
+        what = _kind_of(os.stat(entry.path).st_mode)
+    except FileNotFoundError:
+        what = "a symbolic link to nothing"
+    except OSError as exc:
+        what = f"unreadable ({exc.strerror})"
+    raise DataError(
+        f"{where}: {_shown(entry.path)} is named like an image but is {what}, not a regular file; "
+        "remove it or put the image there"
+    )
+
+
+_KINDS = (
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a device"),
+    (stat.S_ISBLK, "a device"),
+)
+
+
+def _kind_of(mode: int) -> str:
+    return next((name for test, name in _KINDS if test(mode)), "not a file")
+
+
+def _empty_classes_message(root: str, empty: list[str], where: str) -> str:
+    shown = ", ".join(_shown(c) for c in empty[:5]) + (" ..." if len(empty) > 5 else "")
+    hidden = (
+        "; hidden folders count as classes, as in torchvision's ImageFolder"
+        if any(c.startswith(".") for c in empty)
+        else ""
+    )
+    return (
+        f"{where}: {len(empty)} class folder(s) under {_shown(root)} hold no images ({shown}); "
+        f"remove them or add images with one of {', '.join(IMAGE_EXTENSIONS)}{hidden}"
+    )
+
+
+def read_file_list(path: str, where: str) -> SampleIndex:
+    """Lines of ``path,label``; relative paths resolve against the list's folder; id = line number."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        raise DataError(f"{where}: cannot read file list {path}: {exc.strerror}; set path in [[source]]") from None
+    lines = _utf8_text(data, path).splitlines()
+    while lines and not lines[-1].strip():
+        lines.pop()
+    base = os.path.dirname(os.path.abspath(path))
+    paths, labels = [], []
+    for lineno, line in enumerate(lines, 1):
+        file, sep, label = line.rpartition(",")
+        if not sep or not file.strip() or not label.strip().isdigit():
+            raise DataError(f"{path}:{lineno}: expected 'path,label' with a non-negative integer label, got {line!r}")
+        paths.append(os.path.join(base, file.strip()))
+        labels.append(int(label))
+    if not paths:
+        raise DataError(f"{where}: file list {path} is empty; it needs one 'path,label' line per sample")
+    return SampleIndex.from_lists(paths, labels)
+
+
+def _utf8_text(data: bytes, path: str) -> str:
+    """File lists are UTF-8 only; a file whose name is not UTF-8 is served by image_folder."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        lineno = data.count(b"\n", 0, exc.start) + 1
+        raise DataError(
+            f"{path}:{lineno}: file lists must be UTF-8 text, but byte {exc.start} (0x{data[exc.start]:02x}) "
+            "is not; rename the file it names, or serve that folder with kind = \"image_folder\", "
+            "which takes any file name"
+        ) from None

@@ -1,0 +1,463 @@
+"""Per-sample image augmentation: one header read, one (drafted) decode, one resample.
+
+Ops, their keys and defaults (``size`` is an int for a square, or [height, width]):
+
+    random_resized_crop  size (required), scale [0.08, 1.0], ratio [3/4, 4/3]
+                         torchvision's algorithm: 10 tries with a log-uniform aspect
+                         ratio, then a centre crop clamped to the ratio range.
+    resize_short         size (fixed shortest side), or min and max (shortest side
+                         drawn as an integer uniform in [min, max]); exactly one form.
+    random_crop          size
+    center_crop          size
+    hflip                p 0.5
+    color_jitter         brightness 0, contrast 0, saturation 0; each factor uniform in
+                         [max(0, 1 - x), 1 + x], applied in that order (PIL.ImageEnhance
+                         Brightness, Contrast, Color).
+
+The geometric ops are all crops, scales and flips, so they compose into one crop box in
+source-image coordinates, one output size and a flip flag. That plan is computed from the
+image size alone (the file header), before any pixel is decoded. The decode then asks
+libjpeg for a DCT-downscaled image (``Image.draft``) that is still at least as large as the
+output once cropped, and a single ``Image.resize(..., box=...)`` does crop and scale together.
+
+Pixel ops (color_jitter) always run on the output-sized image after the geometry, wherever
+they appear in the list; their random numbers are still drawn at their position in the
+list. For brightness and saturation this is exactly equivalent to applying them first;
+for contrast the grey level blended towards is the mean of the output crop rather than of
+the image at that point in the chain.
+
+All random numbers come from the numpy Generator passed to ``apply`` and are drawn in
+config order, so the output depends only on the file bytes, the specs and the rng state.
+EXIF orientation is not applied; alpha is dropped, not composited.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageEnhance
+
+from prefetchd.errors import ConfigError
+from prefetchd.settings import DECODERS
+from prefetchd.sources.index import open_data_file
+from prefetchd.workers import fastdecode, roidecode, tjlib
+
+Box = tuple[float, float, float, float]  # (left, top, right, bottom) in source pixels
+
+# Only these decoders ever see a file: a crafted file cannot reach Pillow's rarer, less
+# hardened plugins. Pillow's pixel limit (Image.MAX_IMAGE_PIXELS) stays on.
+ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "PPM", "TIFF")
+# The decoders besides Pillow, by name: each module has require(), jpeg_size() and
+# decode_resampled(); files they decline (not JPEG, CMYK, damaged) go through Pillow.
+NATIVE_DECODERS = {"simplejpeg": fastdecode, "turbojpeg": roidecode}
+
+
+def resolve_decoder(name: str) -> str:
+    """The decoder a job runs with: ``name``, checked installed (ImportError saying how to
+    install it), or for "auto" the fastest one installed here."""
+    if name == "auto":
+        for candidate in reversed(DECODERS):  # fastest first
+            try:
+                return resolve_decoder(candidate)
+            except ImportError:
+                continue
+    if name not in DECODERS:
+        raise ValueError(f"decoder must be one of {DECODERS}, got {name!r}")
+    if name in NATIVE_DECODERS:
+        NATIVE_DECODERS[name].require()
+    return name
+
+
+# ---------------------------------------------------------------- config schema
+
+
+def _is_number(v: Any) -> bool:
+    # TOML booleans are Python bools, which are ints; never accept them as numbers.
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _positive_int(v: Any) -> int:
+    if _is_positive_int(v):
+        return v
+    raise ValueError(f"must be a positive integer, got {v!r}")
+
+
+def _size(v: Any) -> tuple[int, int]:
+    """int -> square; [height, width] -> as given. Returns (height, width)."""
+    if _is_positive_int(v):
+        return v, v
+    if isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_positive_int(x) for x in v):
+        return v[0], v[1]
+    raise ValueError(f"must be a positive integer or a list [height, width] of positive integers, got {v!r}")
+
+
+def _range(v: Any, high_max: float) -> tuple[float, float]:
+    if isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_number(x) for x in v) and 0 < v[0] <= v[1] <= high_max:
+        return float(v[0]), float(v[1])
+    bound = "" if high_max == math.inf else f" <= {high_max:g}"
+    raise ValueError(f"must be a list [low, high] with 0 < low <= high{bound}, got {v!r}")
+
+
+def _scale(v: Any) -> tuple[float, float]:
+    return _range(v, 1.0)  # fractions of the image area
+
+
+def _ratio(v: Any) -> tuple[float, float]:
+    return _range(v, math.inf)  # width / height
+
+
+def _probability(v: Any) -> float:
+    if _is_number(v) and 0 <= v <= 1:
+        return float(v)
+    raise ValueError(f"must be a number in [0, 1], got {v!r}")
+
+
+def _strength(v: Any) -> float:
+    if _is_number(v) and v >= 0:
+        return float(v)
+    raise ValueError(f"must be a number >= 0, got {v!r}")
+
+
+_REQUIRED = object()
+
+
+@dataclass(frozen=True)
+class Key:
+    """One config key of an op."""
+
+    parse: Callable[[Any], Any]  # returns the normalised value or raises ValueError
+    default: Any = None  # _REQUIRED, None (optional, no default) or a value
+
+
+# Op name -> its keys. resize_short's "size or min/max" rule is checked separately.
+OPS: dict[str, dict[str, Key]] = {
+    "random_resized_crop": {
+        "size": Key(_size, _REQUIRED),
+        "scale": Key(_scale, (0.08, 1.0)),
+        "ratio": Key(_ratio, (3 / 4, 4 / 3)),
+    },
+    "resize_short": {"size": Key(_positive_int), "min": Key(_positive_int), "max": Key(_positive_int)},
+    "random_crop": {"size": Key(_size, _REQUIRED)},
+    "center_crop": {"size": Key(_size, _REQUIRED)},
+    "hflip": {"p": Key(_probability, 0.5)},
+    "color_jitter": {
+        "brightness": Key(_strength, 0.0),
+        "contrast": Key(_strength, 0.0),
+        "saturation": Key(_strength, 0.0),
+    },
+}
+_FIXED_SIZE_OPS = ("random_resized_crop", "random_crop", "center_crop")
+
+
+def _parse_one(i: int, spec: Any) -> tuple[str, dict[str, Any]]:
+    if not isinstance(spec, dict):
+        raise ConfigError(f'transform #{i} must be a table like {{op = "center_crop", size = 224}}, got {spec!r}')
+    known_ops = ", ".join(sorted(OPS))
+    if "op" not in spec:
+        raise ConfigError(f"transform #{i} has no 'op' key; known ops: {known_ops}")
+    op = spec["op"]
+    if not isinstance(op, str) or op not in OPS:
+        raise ConfigError(f"unknown transform op {op!r} in transform #{i}; known ops: {known_ops}")
+    keys = OPS[op]
+    where = f"transform #{i} ({op})"
+    params: dict[str, Any] = {}
+    for name, value in spec.items():
+        if name == "op":
+            continue
+        if name not in keys:
+            raise ConfigError(f"{where}: unknown key {name!r}; known keys: {', '.join(keys)}")
+        try:
+            params[name] = keys[name].parse(value)
+        except ValueError as e:
+            raise ConfigError(f"{where}: key {name!r} {e}") from None
+    for name, key in keys.items():
+        if name not in params:
+            if key.default is _REQUIRED:
+                raise ConfigError(f"{where}: missing required key {name!r}")
+            params[name] = key.default
+    if op == "resize_short":
+        fixed, lo, hi = params["size"], params["min"], params["max"]
+        if (fixed is None) == (lo is None and hi is None) or (lo is None) != (hi is None):
+            raise ConfigError(
+                f"{where}: give either 'size' (fixed shortest side) or both 'min' and 'max' "
+                f"(random shortest side), not both forms and not half of one"
+            )
+        if fixed is None and lo > hi:
+            raise ConfigError(f"{where}: 'min' ({lo}) must not exceed 'max' ({hi})")
+    return op, params
+
+
+def _parse(specs: Any) -> tuple[list[tuple[str, dict[str, Any]]], tuple[int, int]]:
+    if not isinstance(specs, (list, tuple)):
+        raise ConfigError(f"transforms must be a list of tables, got {type(specs).__name__}")
+    steps = [_parse_one(i, spec) for i, spec in enumerate(specs, start=1)]
+    sizing = [(op, p) for op, p in steps if op in _FIXED_SIZE_OPS or op == "resize_short"]
+    if not sizing or sizing[-1][0] == "resize_short":
+        raise ConfigError(
+            "transforms must end with a fixed output size so samples can be batched: add a "
+            "center_crop, random_crop or random_resized_crop (after any resize_short)"
+        )
+    return steps, sizing[-1][1]["size"]
+
+
+def random_steps(specs: list[dict]) -> list[str]:
+    """The steps that draw from the sample's generator, as ``transform #i (op)``: an evaluation
+    job reads every sample as it is, and refuses them."""
+    random = []
+    for i, (op, p) in enumerate(_parse(specs)[0], start=1):
+        if (
+            op in ("random_resized_crop", "random_crop")
+            or (op == "resize_short" and p["size"] is None)
+            or (op == "hflip" and p["p"] > 0)
+            or (op == "color_jitter" and any(p.values()))
+        ):
+            random.append(f"transform #{i} ({op})")
+    return random
+
+
+def validate_transforms(specs: list[dict]) -> tuple[int, int]:
+    """Check the transform list; return the fixed output (height, width) or raise ConfigError."""
+    return _parse(specs)[1]
+
+
+# ---------------------------------------------------------------- geometry planning
+
+
+@dataclass
+class Plan:
+    """The image as it would be after the ops so far, without touching pixels."""
+
+    w: int  # current (virtual) width and height
+    h: int
+    box: Box  # the source region the virtual image shows
+    mirrored: bool = False
+    enhance: list[tuple[type, float]] = field(default_factory=list)  # (ImageEnhance class, factor)
+
+    def resize(self, w: int, h: int) -> None:
+        self.w, self.h = w, h  # same source region, more or fewer pixels
+
+    def crop(self, left: int, top: int, w: int, h: int) -> None:
+        x0, y0, x1, y1 = self.box
+        sx, sy = (x1 - x0) / self.w, (y1 - y0) / self.h
+        if self.mirrored:  # virtual x = 0 is the source box's right edge
+            x0, x1 = x1 - (left + w) * sx, x1 - left * sx
+        else:
+            x0, x1 = x0 + left * sx, x0 + (left + w) * sx
+        self.box = (x0, y0 + top * sy, x1, y0 + (top + h) * sy)
+        self.w, self.h = w, h
+
+    def resize_short(self, short: int) -> None:
+        # torchvision's Resize(int): the long side is truncated, not rounded.
+        if self.w <= self.h:
+            self.resize(short, int(short * self.h / self.w))
+        else:
+            self.resize(int(short * self.w / self.h), short)
+
+    def fit(self, h: int, w: int) -> None:
+        # A crop larger than the image: scale up first so the shortest side equals the crop's
+        # larger side, so the crop fits in both directions (rather than padding).
+        if self.w < w or self.h < h:
+            self.resize_short(max(h, w))
+
+
+def _random_resized_crop(v: Plan, p: dict, rng: np.random.Generator) -> None:
+    area = v.w * v.h
+    log_lo, log_hi = math.log(p["ratio"][0]), math.log(p["ratio"][1])
+    for _ in range(10):
+        target_area = area * rng.uniform(*p["scale"])
+        aspect = math.exp(rng.uniform(log_lo, log_hi))
+        w = round(math.sqrt(target_area * aspect))
+        h = round(math.sqrt(target_area / aspect))
+        if 0 < w <= v.w and 0 < h <= v.h:
+            top = int(rng.integers(0, v.h - h + 1))
+            left = int(rng.integers(0, v.w - w + 1))
+            break
+    else:  # fall back to a centre crop with the aspect ratio clamped to the allowed range
+        in_ratio = v.w / v.h
+        w, h = v.w, v.h
+        if in_ratio < p["ratio"][0]:
+            h = round(w / p["ratio"][0])
+        elif in_ratio > p["ratio"][1]:
+            w = round(h * p["ratio"][1])
+        top, left = (v.h - h) // 2, (v.w - w) // 2
+    v.crop(left, top, w, h)
+    v.resize(p["size"][1], p["size"][0])
+
+
+def _resize_short(v: Plan, p: dict, rng: np.random.Generator) -> None:
+    v.resize_short(p["size"] if p["size"] is not None else int(rng.integers(p["min"], p["max"] + 1)))
+
+
+def _random_crop(v: Plan, p: dict, rng: np.random.Generator) -> None:
+    h, w = p["size"]
+    v.fit(h, w)
+    top = int(rng.integers(0, v.h - h + 1))
+    left = int(rng.integers(0, v.w - w + 1))
+    v.crop(left, top, w, h)
+
+
+def _center_crop(v: Plan, p: dict, rng: np.random.Generator) -> None:
+    h, w = p["size"]
+    v.fit(h, w)
+    v.crop(round((v.w - w) / 2), round((v.h - h) / 2), w, h)
+
+
+def _hflip(v: Plan, p: dict, rng: np.random.Generator) -> None:
+    # Always draw, so p does not change which numbers later ops get.
+    if rng.random() < p["p"]:
+        v.mirrored = not v.mirrored
+
+
+def _color_jitter(v: Plan, p: dict, rng: np.random.Generator) -> None:
+    for name, enhancer in (
+        ("brightness", ImageEnhance.Brightness),
+        ("contrast", ImageEnhance.Contrast),
+        ("saturation", ImageEnhance.Color),
+    ):
+        if p[name] > 0:
+            v.enhance.append((enhancer, rng.uniform(max(0.0, 1 - p[name]), 1 + p[name])))
+
+
+_STEPS: dict[str, Callable[[Plan, dict, np.random.Generator], None]] = {
+    "random_resized_crop": _random_resized_crop,
+    "resize_short": _resize_short,
+    "random_crop": _random_crop,
+    "center_crop": _center_crop,
+    "hflip": _hflip,
+    "color_jitter": _color_jitter,
+}
+
+
+# ---------------------------------------------------------------- pixels
+
+
+def _draft(img: Image.Image, box: Box, out_w: int, out_h: int) -> Box:
+    """Let libjpeg downscale by 1/2, 1/4 or 1/8 while decoding, as far as the box stays at
+    least the output size; return the box in the drafted image's coordinates."""
+    src_w, src_h = img.size
+    # Pillow picks the largest scale s with s <= src // request, so asking for the whole image at
+    # (output size x source size / box size) keeps box / s >= output. ceil errs towards less scaling.
+    request = (math.ceil(out_w * src_w / (box[2] - box[0])), math.ceil(out_h * src_h / (box[3] - box[1])))
+    drafted = img.draft("RGB", request)  # None for non-JPEG files
+    if drafted is None:
+        return box
+    # draft reports the source extent in drafted pixels (src / s), the exact DCT mapping.
+    _, (_, _, ext_w, ext_h) = drafted
+    sx, sy = ext_w / src_w, ext_h / src_h
+    x0, y0, x1, y1 = box
+    return x0 * sx, y0 * sy, x1 * sx, y1 * sy
+
+
+class ImagePipeline:
+    """A validated transform list; ``apply`` decodes and augments one image file.
+
+    ``decoder``: one of settings.DECODERS: "pillow" (default here), "simplejpeg" (libjpeg-turbo
+    and OpenCV, prefetchd.workers.fastdecode) or "turbojpeg" (only the crop's region, prefetchd.workers.roidecode);
+    all follow the same plan, drawn from the same random numbers.
+    """
+
+    def __init__(self, specs: list[dict], decoder: str = "pillow"):
+        self._steps, (h, w) = _parse(specs)  # exactly validate_transforms' checks
+        self.output_shape: tuple[int, int, int] = (h, w, 3)
+        self.decoder = resolve_decoder(decoder)  # a job's was resolved when its config was built
+        self._native = NATIVE_DECODERS.get(self.decoder)
+
+    def plan(self, size: tuple[int, int], rng: np.random.Generator) -> Plan:
+        """Draw this sample's random numbers (in config order) for an image of `size` (w, h)."""
+        v = Plan(size[0], size[1], (0.0, 0.0, float(size[0]), float(size[1])))
+        for op, params in self._steps:
+            _STEPS[op](v, params, rng)
+        return v
+
+    def apply(self, path: str, rng: np.random.Generator, out: np.ndarray, data: bytes | None = None) -> None:
+        """Decode the image at `path` (or its encoded bytes `data`, read from a container),
+        augment it with draws from `rng` and write the uint8 RGB result into `out` (shape
+        output_shape; may be a view into a batch buffer)."""
+        if out.shape != self.output_shape or out.dtype != np.uint8:
+            raise ValueError(f"out must be uint8 of shape {self.output_shape}, got {out.dtype} {out.shape}")
+        if data is None:
+            data = read_image_file(path)
+        if data[:2] == b"\xff\xd8" and data.count(b"\xff\xda") > tjlib.MAX_SCANS:  # SOS markers
+            # A progressive JPEG of thousands of tiny scans takes Pillow or simplejpeg minutes
+            # (libjpeg-turbo's scan limit guards the turbojpeg decoder alone).
+            raise Image.DecompressionBombError(f"{path}: the JPEG has more than {tjlib.MAX_SCANS} scans")
+        source, v = io.BytesIO(data), None
+        if self._native is not None:
+            size = self._native.jpeg_size(data)
+            if size is not None:
+                v = self.plan(size, rng)
+                try:
+                    pixels = self._native.decode_resampled(data, size, v.box, v.w, v.h)
+                except ValueError:
+                    pixels = None  # CMYK, or damaged: Pillow decides, with the same plan
+                if pixels is not None:
+                    if v.mirrored:
+                        pixels = fastdecode.flip(pixels)
+                    _finish(pixels, replace(v, mirrored=False), out)
+                    return
+            source = io.BytesIO(data)
+        with _open_image(source, path) as src:
+            if v is None:
+                v = self.plan(src.size, rng)
+            assert (v.h, v.w) == self.output_shape[:2]
+            box = _draft(src, v.box, v.w, v.h)
+            img = src if src.mode in ("RGB", "L") else src.convert("RGB")  # P/CMYK/RGBA/... resample badly
+            # Rounding can push the box a hair past the edge, which resize rejects.
+            x0, y0, x1, y1 = box
+            box = (max(0.0, x0), max(0.0, y0), min(float(img.width), x1), min(float(img.height), y1))
+            img = img.resize((v.w, v.h), Image.Resampling.BILINEAR, box=box)
+        if v.mirrored:
+            img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        if img.mode != "RGB":
+            img = img.convert("RGB")
+        for enhancer, factor in v.enhance:
+            img = enhancer(img).enhance(factor)
+        out[...] = np.asarray(img)
+
+
+MAX_FILE_BYTES = 1 << 30  # no image prefetchd decodes is bigger: a larger file is not read into memory
+
+
+def read_image_file(path: str) -> bytes:
+    """The bytes of the image file ``path``: a regular file (sources.open_data_file) of a sane size."""
+    fd, st = open_data_file(path)
+    try:
+        if st.st_size > MAX_FILE_BYTES:
+            raise ValueError(f"{path} has {st.st_size} bytes, more than any image ({MAX_FILE_BYTES})")
+        with open(fd, "rb", closefd=False) as f:
+            return f.read(MAX_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+
+
+def _open_image(source, path: str) -> Image.Image:
+    """Image.open, naming ``path`` when the bytes were read already: Pillow names a BytesIO
+    by its address, which would make a bad sample's recorded error differ from run to run."""
+    try:
+        return Image.open(source, formats=ALLOWED_FORMATS)
+    except Image.UnidentifiedImageError:
+        if source is path:
+            raise
+        raise Image.UnidentifiedImageError(f"cannot identify image file {path!r}") from None
+
+
+def _finish(pixels: np.ndarray, v: Plan, out: np.ndarray) -> None:
+    """Flip and colour-jitter an output-sized RGB array into ``out``."""
+    if v.mirrored:
+        pixels = pixels[:, ::-1]
+    if v.enhance:
+        img = Image.fromarray(np.ascontiguousarray(pixels))
+        for enhancer, factor in v.enhance:
+            img = enhancer(img).enhance(factor)
+        pixels = np.asarray(img)
+    out[...] = pixels

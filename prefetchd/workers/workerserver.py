@@ -1,0 +1,137 @@
+"""The process local workers are forked from: multiprocessing's fork server, with the worker's
+code (and the decoders it loads) imported once.
+
+A spawned worker is a fresh interpreter that imports numpy, Pillow, OpenCV and prefetchd's
+worker side: about 0.5 s before it can take a task, at every start and every replacement. A
+worker forked from this server takes milliseconds. The server is started by the daemon before
+it holds a lock, a socket or a thread, and it is itself a fresh interpreter (not a fork of the
+master), so a worker inherits none of them, as with spawn. It boots beside the daemon's own
+start-up. It exits when the master does (its pipe from the master closes), and the kernel kills
+it when the master dies, even while it is stopped (this module, preloaded first, asks for
+that); the workers then follow (worker.py asks the kernel for SIGKILL when their parent, the
+server, dies). A stopped server would freeze every spawn and every death report: the pool
+kills it (unstick), and its workers go with it and are replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import multiprocessing
+import multiprocessing.forkserver
+import os
+import signal
+import sys
+import tempfile
+import time
+
+CONTEXT = multiprocessing.get_context("forkserver")
+# Imported once in the server. The decoders are optional: one that is not installed is skipped.
+# This module first: in the server it ties the server's life to the daemon's (_die_with_the_daemon).
+PRELOAD = [__name__, "prefetchd.workers.worker", "cv2", "simplejpeg"]
+
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def start() -> None:
+    """Boot the server now (in the background; a no-op when it runs). A worker started before
+    it is ready waits for it; one started after it died starts it again."""
+    fit_socket_folder()
+    CONTEXT.set_forkserver_preload(PRELOAD)
+    multiprocessing.forkserver.ensure_running()
+
+
+# multiprocessing binds a fork server's socket at $TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX: 32
+# bytes after the folder, and a socket path holds at most 107.
+_SOCKET_FOLDER_MAX = 107 - 32
+
+
+def fit_socket_folder() -> None:
+    """Where $TMPDIR is too long for a socket path (a batch scheduler's per-job folder can be),
+    this process's temporary files go to the first short system folder it may write instead;
+    Python 3.11's multiprocessing would fail with "AF_UNIX path too long"."""
+    if len(os.fsencode(tempfile.gettempdir())) <= _SOCKET_FOLDER_MAX:
+        return
+    for folder in ("/tmp", "/var/tmp", "/dev/shm"):
+        if os.access(folder, os.W_OK | os.X_OK):
+            tempfile.tempdir = folder
+            return
+
+
+def unstick() -> bool:
+    """Kill the server if it is stopped (SIGSTOP): a stopped server never answers a spawn (the
+    daemon would block for good) nor reports a death (a dead worker would look alive). Its
+    workers die with it and the pool replaces them; the next start() boots a new server.
+    Whether it was killed."""
+    pid = server_pid()
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rpartition(b")")[2].split()[0]
+    except (OSError, IndexError):
+        return False
+    if state not in (b"T", b"t"):
+        return False
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+    await_death(pid)  # not reaped: ensure_running reaps it, and then starts a new one
+    return True
+
+
+def _die_with_the_daemon() -> None:
+    """In the fork server (imported by its preload): SIGKILL when its parent, the daemon, dies.
+    Its pipe from the daemon closing ends it too, but not while it is stopped, nor while a
+    worker (which holds that pipe as well) is blocked in a sample; the kernel's signal does."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not multiprocessing.forkserver.main.__code__:
+        frame = frame.f_back
+    if frame is None:  # imported anywhere else: the daemon, a worker, a test
+        return
+    # Ctrl-C in a terminal reaches the whole process group of `start --foreground`: the daemon
+    # alone decides what it means (stopsignals), and the server, preloading, would print a
+    # KeyboardInterrupt traceback there. (Not set by the daemon around the spawn: ignored there
+    # for a moment, a Ctrl-C taken by another of its threads would be lost.)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+_die_with_the_daemon()
+
+
+def server_pid() -> int | None:
+    """The running server's pid (the parent of the workers started now), if there is one."""
+    return multiprocessing.forkserver._forkserver._forkserver_pid
+
+
+def died(pid: int, within_s: float = 0.0) -> bool:
+    """Whether the server ``pid`` has exited, or does within ``within_s`` (checked without
+    reaping it: ensure_running does)."""
+    deadline = time.monotonic() + within_s
+    while True:
+        try:
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return True
+        except ChildProcessError:  # reaped already
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+
+
+def await_death(pid: int, timeout_s: float = 5.0) -> None:
+    """Wait until the server ``pid``, which broke off a spawn, has exited (not reaped: the next
+    start() reaps it and boots a new one); SIGKILL after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not died(pid):
+        if time.monotonic() >= deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
+            return
+        time.sleep(0.01)
