@@ -52,7 +52,8 @@ from pathlib import Path
 from prefetchd import settings
 from prefetchd.curve import load_authorized_keys
 from prefetchd.errors import ConfigError
-from prefetchd.settings import default_workers as default_workers  # scripts/bench.py imports it from here
+from prefetchd.settings import default_workers as default_workers
+from prefetchd.sources.kinds import COMMON_KEYS, KINDS  # scripts/bench.py imports it from here
 from prefetchd.workers import transforms
 from prefetchd_client.batchfile import VERSION as BATCH_FORMAT_VERSION
 from prefetchd_client.layout import parse_tcp_endpoint
@@ -63,18 +64,6 @@ from prefetchd_client.transport import load_secret_certificate
 DEFAULT_TRANSFORMS = ({"op": "random_resized_crop", "size": 224}, {"op": "hflip"})
 DEFAULT_EVAL_TRANSFORMS = ({"op": "resize_short", "size": 256}, {"op": "center_crop", "size": 224})
 _SECTIONS = {*settings.SECTIONS, "source", "transform"}
-_SOURCE_KEYS = {
-    "image_folder": {"kind", "root", "name", "weight"},
-    "file_list": {"kind", "path", "name", "weight"},
-    "webdataset": {"kind", "urls", "label_key", "name", "weight"},
-    "parquet": {"kind", "path", "image_column", "label_column", "name", "weight"},
-}
-# The key that says where a source's data is (what --data replaces).
-_DATA_KEY = {"image_folder": "root", "file_list": "path", "webdataset": "urls", "parquet": "path"}
-# Optional string keys: their defaults (None: unset).
-_SOURCE_STRINGS = {"label_key": None, "image_column": "image", "label_column": "label"}
-
-
 @dataclass(frozen=True)
 class Config:
     """A checked job config. Build it with ``load_config`` or ``build_config``: the defaults
@@ -234,25 +223,23 @@ def _check_source(i: int, src, base: Path) -> dict:
     where = f"[[source]] #{i + 1}"
     if not isinstance(src, dict):
         raise ConfigError(f"{where} must be a table")
-    kind = src.get("kind")
-    if kind not in _SOURCE_KEYS:
-        raise ConfigError(f"{where}: kind must be one of {', '.join(sorted(_SOURCE_KEYS))}, got {kind!r}")
-    _check_keys(src, _SOURCE_KEYS[kind], f"{where} ({kind})")
-    key = _DATA_KEY[kind]
+    kind = KINDS.get(src.get("kind")) if isinstance(src.get("kind"), str) else None
+    if kind is None:
+        raise ConfigError(f"{where}: kind must be one of {', '.join(sorted(KINDS))}, got {src.get('kind')!r}")
+    _check_keys(src, {*COMMON_KEYS, kind.data_key, *kind.options}, f"{where} ({kind.name})")
+    key = kind.data_key
     value = src.get(key)
     patterns = value if isinstance(value, list) and value else [value]
-    if not all(isinstance(v, str) and v for v in patterns) or (kind != "webdataset" and isinstance(value, list)):
-        several = " (or a list of them)" if kind == "webdataset" else ""
-        raise ConfigError(f'{where} ({kind}) needs {key} = "..."{several} (or pass --data PATH)')
-    if kind == "webdataset":  # brace patterns: each shard they name is resolved against `base` (shards.py)
+    if not all(isinstance(v, str) and v for v in patterns) or (not kind.patterns and isinstance(value, list)):
+        several = " (or a list of them)" if kind.patterns else ""
+        raise ConfigError(f'{where} ({kind.name}) needs {key} = "..."{several} (or pass --data PATH)')
+    if kind.patterns:  # brace patterns: each path they name is resolved against `base` by the kind's scan
         src = {**src, "base": str(base)}
     else:
         src = {**src, key: _resolve(value, base)}
-    for option, default in _SOURCE_STRINGS.items():
-        if option not in _SOURCE_KEYS[kind]:
-            continue
+    for option, default in kind.options.items():
         if option in src and (not isinstance(src[option], str) or not src[option]):
-            raise ConfigError(f"{where} ({kind}): {option} must be a non-empty string, got {src[option]!r}")
+            raise ConfigError(f"{where} ({kind.name}): {option} must be a non-empty string, got {src[option]!r}")
         if default is not None:
             src.setdefault(option, default)
     weight = src.get("weight")
@@ -361,7 +348,7 @@ def _check_sources(raw_sources, data: str | None, base: Path) -> tuple[dict, ...
         if len(raw_sources) > 1:
             raise ConfigError("--data replaces the only [[source]]'s folder, but the config has several")
         kind = raw_sources[0].get("kind", "image_folder") if raw_sources else "image_folder"
-        key = _DATA_KEY.get(kind, "root")
+        key = KINDS[kind].data_key if isinstance(kind, str) and kind in KINDS else "root"
         raw_sources = [{**(raw_sources[0] if raw_sources else {"kind": kind}), key: data}]
         base = Path.cwd()  # a flag's path is the current folder's, not the config file's
     if not raw_sources:

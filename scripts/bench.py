@@ -70,6 +70,7 @@ from prefetchd.cli.datagen import make_image
 from prefetchd.cli.launch import start_detached, stop_job
 from prefetchd.config import build_config, default_workers
 from prefetchd.settings import DECODERS
+from prefetchd.sources.index import read_image_file
 from prefetchd.workers.transforms import ImagePipeline, resolve_decoder
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.batchfile import BatchLayout, BatchWriter, FieldSpec, map_batch
@@ -520,7 +521,7 @@ def pipeline_loop(files: list[str], recipe: str, decoder: str) -> float:
     out = np.empty(pipeline.output_shape, np.uint8)
     start = time.perf_counter()
     for i, path in enumerate(files):
-        pipeline.apply(path, np.random.default_rng(i), out)
+        pipeline.apply(path, np.random.default_rng(i), out, read_image_file(path))
     return len(files) / (time.perf_counter() - start)
 
 

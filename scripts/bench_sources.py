@@ -26,6 +26,7 @@ from prefetchd.master.job import build_index
 from prefetchd.plan import Plan
 from prefetchd.sources import shards
 from prefetchd.sources.index import scan_image_folder
+from prefetchd.sources.kinds import own_options
 from prefetchd.workers.producer import BatchProducer, ProducerSpec
 
 TRANSFORMS = [{"op": "random_resized_crop", "size": 224}, {"op": "hflip"}]
@@ -82,7 +83,7 @@ def producer(source: dict) -> BatchProducer:
     spec = ProducerSpec(
         job_dir="/nonexistent", plan=plan.to_json(), source_names=["s"], transforms=TRANSFORMS, pipeline=None,
         config_hash="", decoder=config.decoder,
-        image_columns=[config.sources[0].get("image_column", "") if source["kind"] == "parquet" else ""],
+        sources=[own_options(config.sources[0])],
     )
     return BatchProducer(spec, index=index)
 

@@ -44,6 +44,7 @@ LAYERS: dict[str, set[str]] = {  # folder -> the folders it may import (besides 
 ALLOWED_EDGES = {
     ("prefetchd.__main__", "prefetchd.cli.app"): "the entry point runs the command",
     ("prefetchd.config", "prefetchd.workers.transforms"): "a config's [[transform]] is checked by the ops themselves",
+    ("prefetchd.config", "prefetchd.sources.kinds"): "a config's [[source]] is checked against its kind's row",
 }
 # The worker side is started as fresh processes: none of it may load the master's machinery,
 # directly or through another module.

@@ -310,7 +310,7 @@ def test_a_scan_bomb_is_refused_by_every_decoder(tmp_path, decoder):
     pipe = ImagePipeline([{"op": "random_resized_crop", "size": 32}], decoder=decoder)
     started = time.monotonic()
     with pytest.raises(Image.DecompressionBombError, match="more than 500 scans"):
-        pipe.apply(str(path), np.random.default_rng(0), np.zeros(pipe.output_shape, np.uint8))
+        pipe.apply(str(path), np.random.default_rng(0), np.zeros(pipe.output_shape, np.uint8), path.read_bytes())
     assert time.monotonic() - started < 5
     if decoder != "turbojpeg":
         return

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from prefetchd.config import load_config
 from prefetchd.errors import ConfigError
 from prefetchd.plan import Plan
-from prefetchd.sources.index import scan_image_folder
+from prefetchd.sources.index import read_image_file, scan_image_folder
 from prefetchd.workers.transforms import ImagePipeline
 
 from .conftest import start_job, write_config
@@ -172,7 +172,7 @@ def test_an_evaluation_job_beside_a_training_job_in_lightning_gives_the_datasets
     index = scan_image_folder(str(jpeg_folder), "test")
     images = np.zeros((len(index), 32, 32, 3), np.uint8)
     for i in range(len(index)):
-        pipeline.apply(index.path(i), np.random.default_rng(0), images[i])
+        pipeline.apply(index.path(i), np.random.default_rng(0), images[i], read_image_file(index.path(i)))
     with torch.no_grad():
         logits = net(torch.from_numpy(images).permute(0, 3, 1, 2).float().div_(255))
     labels = torch.from_numpy(index.labels.copy())

@@ -32,7 +32,8 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 from prefetchd.errors import DataError  # noqa: E402
 from prefetchd.sources.index import NO_LABEL  # noqa: E402
-from prefetchd.sources.parquetsource import ParquetRows, scan_parquet  # noqa: E402
+from prefetchd.sources.parquetrows import ParquetRows  # noqa: E402
+from prefetchd.sources.parquetsource import scan_parquet  # noqa: E402
 
 _HUB_IMAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 _WHERE = "[[source]] #1 (parquet)"

@@ -16,7 +16,8 @@ pq = pytest.importorskip("pyarrow.parquet")
 from prefetchd.cli.datagen import make_image  # noqa: E402
 from prefetchd.errors import ConfigError, DataError  # noqa: E402
 from prefetchd.sources.index import NO_LABEL, PARQUET_ROW  # noqa: E402
-from prefetchd.sources.parquetsource import ParquetRows, scan_parquet  # noqa: E402
+from prefetchd.sources.parquetrows import ParquetRows  # noqa: E402
+from prefetchd.sources.parquetsource import scan_parquet  # noqa: E402
 
 from .conftest import cli, start_job, write_config  # noqa: E402
 from .helpers import read_epoch  # noqa: E402

@@ -15,7 +15,7 @@ pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
 from prefetchd.sources.parquetpages import ColumnChunk, Unsupported  # noqa: E402
-from prefetchd.sources.parquetsource import ParquetRows  # noqa: E402
+from prefetchd.sources.parquetrows import ParquetRows  # noqa: E402
 
 _HUB_IMAGE = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
 

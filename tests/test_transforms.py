@@ -14,6 +14,7 @@ from PIL import Image, ImageEnhance
 
 from prefetchd.errors import ConfigError
 from prefetchd.settings import DECODERS
+from prefetchd.sources.index import read_image_file
 from prefetchd.workers.transforms import NATIVE_DECODERS, OPS, ImagePipeline, validate_transforms
 
 NATIVE = sorted(NATIVE_DECODERS)
@@ -61,7 +62,7 @@ def images(tmp_path_factory):
 def _run(specs, path, seed, decoder="pillow"):
     pipe = ImagePipeline(specs, decoder)
     out = np.zeros(pipe.output_shape, np.uint8)
-    pipe.apply(path, np.random.default_rng(seed), out)
+    pipe.apply(path, np.random.default_rng(seed), out, read_image_file(path))
     return out
 
 
@@ -167,7 +168,7 @@ def test_output_shape_and_dtype(images, name, specs, hw):
     pipe = ImagePipeline(specs)
     assert pipe.output_shape == (*hw, 3)
     out = np.zeros(pipe.output_shape, np.uint8)
-    pipe.apply(images[name], np.random.default_rng(0), out)
+    pipe.apply(images[name], np.random.default_rng(0), out, read_image_file(images[name]))
     assert out.dtype == np.uint8 and out.shape == (*hw, 3)
     assert out.std() > 5  # real content was written, not left blank
 
@@ -175,7 +176,7 @@ def test_output_shape_and_dtype(images, name, specs, hw):
 def test_writes_into_a_view_of_a_batch(images):
     pipe = ImagePipeline(IMAGENET)
     batch = np.zeros((3, *pipe.output_shape), np.uint8)
-    pipe.apply(images["big.jpg"], np.random.default_rng(0), batch[1])
+    pipe.apply(images["big.jpg"], np.random.default_rng(0), batch[1], read_image_file(images["big.jpg"]))
     assert not batch[0].any() and not batch[2].any()
     assert np.array_equal(batch[1], _run(IMAGENET, images["big.jpg"], 0))
 
@@ -183,9 +184,9 @@ def test_writes_into_a_view_of_a_batch(images):
 def test_rejects_wrong_out_buffer(images):
     pipe = ImagePipeline([{"op": "center_crop", "size": 32}])
     with pytest.raises(ValueError, match="shape"):
-        pipe.apply(images["big.jpg"], np.random.default_rng(0), np.zeros((32, 32, 4), np.uint8))
+        pipe.apply(images["big.jpg"], np.random.default_rng(0), np.zeros((32, 32, 4), np.uint8), b"")
     with pytest.raises(ValueError, match="uint8"):
-        pipe.apply(images["big.jpg"], np.random.default_rng(0), np.zeros((32, 32, 3), np.float32))
+        pipe.apply(images["big.jpg"], np.random.default_rng(0), np.zeros((32, 32, 3), np.float32), b"")
 
 
 def test_grayscale_comes_out_as_equal_rgb_channels(images):

@@ -15,9 +15,8 @@ from prefetchd.config import Config, content_hash, plan_digest
 from prefetchd.errors import ConfigError, DataError
 from prefetchd.plan import Plan
 from prefetchd.sizes import format_size
-from prefetchd.sources.index import SampleIndex, read_file_list, scan_image_folder
-from prefetchd.sources.parquetsource import scan_parquet
-from prefetchd.sources.shards import scan_webdataset
+from prefetchd.sources.index import SampleIndex
+from prefetchd.sources.kinds import KINDS, own_options
 from prefetchd.workers.producer import PRODUCER_SPEC, ProducerSpec, plan_layout
 from prefetchd_client.batchfile import VERSION as BATCH_FORMAT_VERSION
 from prefetchd_client.batchfile import BatchLayout, FieldSpec
@@ -47,17 +46,7 @@ class Job:
 def build_index(sources: tuple[dict, ...]) -> tuple[SampleIndex, tuple[int, ...]]:
     """One index over all sources, in config order (sample ids continue across sources),
     and the number of samples of each source."""
-    parts = []
-    for i, src in enumerate(sources):
-        where = f"[[source]] #{i + 1} ({src['kind']})"
-        if src["kind"] == "image_folder":
-            parts.append(scan_image_folder(src["root"], where))
-        elif src["kind"] == "file_list":
-            parts.append(read_file_list(src["path"], where))
-        elif src["kind"] == "webdataset":
-            parts.append(scan_webdataset(src, where))
-        else:
-            parts.append(scan_parquet(src, where))
+    parts = [KINDS[src["kind"]].scan(src, f"[[source]] #{i + 1} ({src['kind']})") for i, src in enumerate(sources)]
     return SampleIndex.concat(parts), tuple(len(p) for p in parts)
 
 
@@ -90,8 +79,7 @@ def build_job(config: Config, paths: JobPaths) -> Job:
         on_error=config.on_error,
         decoder=config.decoder,
         plan_digest=digest,
-        image_columns=[s["image_column"] if s["kind"] == "parquet" else "" for s in config.sources],
-        label_keys=[s.get("label_key") if s["kind"] == "webdataset" else None for s in config.sources],
+        sources=[own_options(s) for s in config.sources],
     )
     write_json(paths.dir / PRODUCER_SPEC, spec.to_json())  # `prefetchd verify` remakes batches from it
     return Job(config, paths, plan, source_names, content, spec.config_hash, digest, spec)

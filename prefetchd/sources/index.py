@@ -137,6 +137,53 @@ def open_data_file(path: str) -> tuple[int, os.stat_result]:
     return fd, st
 
 
+MAX_FILE_BYTES = 1 << 30  # no image prefetchd decodes is bigger: a larger file is not read into memory
+
+
+def read_image_file(path: str) -> bytes:
+    """The bytes of the image file ``path``: a regular file (open_data_file) of a sane size."""
+    fd, st = open_data_file(path)
+    try:
+        if st.st_size > MAX_FILE_BYTES:
+            raise ValueError(f"{path} has {st.st_size} bytes, more than any image ({MAX_FILE_BYTES})")
+        with open(fd, "rb", closefd=False) as f:
+            return f.read(MAX_FILE_BYTES + 1)
+    finally:
+        os.close(fd)
+
+
+class SampleBytes:
+    """A worker's reader of the samples of one place kind (FILE, TAR_MEMBER, ...): its own open
+    files and caches. ``path`` and ``(a, b)`` are what the index holds for the sample (``a, b``
+    its ``members`` row: where in the container), ``options`` its [[source]]'s own keys
+    (sources.kinds: a Parquet source's image_column). Raising ValueError makes a bad sample."""
+
+    def read_sample(self, path: str, a: int, b: int, options: dict) -> bytes:
+        """The sample's encoded image."""
+        raise NotImplementedError
+
+    def where(self, path: str, a: int, b: int) -> str:
+        """The sample's place, as a batch records it."""
+        return path
+
+    def why_no_label(self, path: str, a: int, b: int, options: dict) -> str:
+        """Why a sample the index left without a label has none, in its source's words."""
+        return "the sample has no label"
+
+    def will_need(self, places: list[tuple[str, int, int]]) -> None:
+        """The coming samples' places: a reader may ask for their bytes now (read-ahead)."""
+
+    def close(self) -> None:
+        pass
+
+
+class OwnFiles(SampleBytes):
+    """Samples that are files of their own (image_folder, file_list)."""
+
+    def read_sample(self, path: str, a: int, b: int, options: dict) -> bytes:
+        return read_image_file(path)
+
+
 def scan_image_folder(root: str, where: str) -> SampleIndex:
     """torchvision's ``ImageFolder(root).samples``, path for path and label for label.
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from prefetchd import stopsignals
 from prefetchd.errors import DataError
-from prefetchd.sources.index import NO_LABEL, TAR_MEMBER, SampleIndex, open_data_file
+from prefetchd.sources.index import MAX_FILE_BYTES, NO_LABEL, TAR_MEMBER, SampleBytes, SampleIndex, open_data_file
 from prefetchd.sources.shardcache import _cache_file, _load_cached, _save_cached
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ MAX_SHARDS = 1_000_000  # what urls may name: a pattern like {0..99999999} is a 
 _MAX_LABEL_BYTES = 1 << 20  # a .cls or .json member bigger than this is not a label
 _OPEN_SHARDS = 64  # a worker keeps this many shards open
 READ_AHEAD_BYTES = 64 << 20  # at most this much is asked for ahead, per batch
-_MAX_IMAGE_BYTES = 1 << 30  # as transforms.MAX_FILE_BYTES: a bigger member is not read into memory
+_TAR_NAME_BYTES = 100  # a ustar header's name field: a name that fills it may be cut (a pax or GNU long name)
 # A sparse member's holes cost the shard nothing: a shard of a few KiB could make every read
 # expand a gigabyte. An encoded image is not hundreds of MiB of mostly zeros.
 _MAX_SPARSE_BYTES = 256 << 20
@@ -281,7 +281,7 @@ def _member_bytes(fd: int, member: tarfile.TarInfo, next_header: int) -> bytes:
     file of ``member.size`` bytes, zeros in between (tarfile's own reading, _FileInFile). The map
     must be in order, inside the file and hold no more than the member stores (up to
     ``next_header``, where tarfile reads the next header); GNU's unused map slots read (0, 0)."""
-    bound = _MAX_SPARSE_BYTES if member.issparse() else _MAX_IMAGE_BYTES
+    bound = _MAX_SPARSE_BYTES if member.issparse() else MAX_FILE_BYTES
     if member.size < 0:
         raise ValueError(f"its header gives it a size of {member.size}, which is not one")
     if member.size > bound:
@@ -342,7 +342,7 @@ def _marked(offset: int) -> tuple[int, int]:
     return header, -offset - header
 
 
-class TarMembers:
+class TarMembers(SampleBytes):
     """A worker's reads of members: one pread each, from shards it keeps open."""
 
     def __init__(self) -> None:
@@ -351,8 +351,8 @@ class TarMembers:
     def read(self, shard: str, offset: int, size: int) -> bytes:
         """The image of a sample at (``offset``, ``size``) of the index; ValueError for a bad sample."""
         if offset >= 0:
-            if size > _MAX_IMAGE_BYTES:
-                raise ValueError(f"the image member has {size:,} bytes, more than any image ({_MAX_IMAGE_BYTES:,})")
+            if size > MAX_FILE_BYTES:
+                raise ValueError(f"the image member has {size:,} bytes, more than any image ({MAX_FILE_BYTES:,})")
             if offset < tarfile.BLOCKSIZE:
                 raise ValueError(f"the index places an image member at byte {offset}, before any header could end")
             data = os.pread(self._fd(shard), tarfile.BLOCKSIZE + size, offset - tarfile.BLOCKSIZE)
@@ -385,6 +385,33 @@ class TarMembers:
         except ValueError as exc:
             kind = "sparse image member" if member.issparse() else "image member"
             raise ValueError(f"the {kind} {member.name!r} at byte {header}: {exc}") from None
+
+    def read_sample(self, path: str, a: int, b: int, options: dict) -> bytes:
+        return self.read(path, a, b)
+
+    def where(self, path: str, a: int, b: int) -> str:
+        if a < 0:  # none, or one the index marked (a sparse member, a key that repeats)
+            return f"shard {path}, {self.place(path, a, b)}"
+        name = _member_name(path, a, b)
+        return f"shard {path} member {name}" if name else f"shard {path} member at byte {a} ({b} bytes)"
+
+    def why_no_label(self, path: str, a: int, b: int, options: dict) -> str:
+        """A sample without a label, in the words of its source's config: the index keeps only
+        that the label is missing, the config says where it was looked for. A sample refused at
+        indexing (a key that repeats) says why instead (read's ValueError)."""
+        self.check_refused(path, a)
+        key = options.get("label_key")
+        if not isinstance(key, str | None):
+            return "the sample has no label (no .cls member, or its .json has no such label key)"
+        if key is None:
+            return (
+                "the sample has no label: it has no .cls member, and label_key is not set in its [[source]]; "
+                'if the shards hold labels in .json members, set label_key = "<the label\'s key in them>"'
+            )
+        return (
+            f"the sample has no label: it has no .json member with an integer label under label_key {key!r} "
+            "(the key absent, not an integer from 0, or the .json not JSON)"
+        )
 
     def check_refused(self, shard: str, offset: int) -> None:
         """Raise read's ValueError for a sample refused at indexing (a key that repeats): it has
@@ -431,3 +458,26 @@ class TarMembers:
     def close(self) -> None:
         while self._fds:
             os.close(self._fds.popitem()[1])
+
+
+def _member_name(shard: str, offset: int, size: int) -> str | None:
+    """The name of the tar member whose data starts at ``offset``: from the header block just
+    before it, when that is a tar header (its checksum holds) of a member of ``size`` bytes and
+    its name field is not full (else a pax or GNU long name may have been cut). None when it is
+    not so, or when the name is not printable ASCII (a pax header before it may then hold the
+    real name, which the ustar field only approximates): the member is then named by its byte
+    offset. Read only for a bad sample."""
+    if offset < tarfile.BLOCKSIZE:
+        return None
+    try:
+        fd, _ = open_data_file(shard)
+        try:
+            block = os.pread(fd, tarfile.BLOCKSIZE, offset - tarfile.BLOCKSIZE)
+        finally:
+            os.close(fd)
+        info = tarfile.TarInfo.frombuf(block, "utf-8", "backslashreplace")
+    except (OSError, ValueError, tarfile.TarError):
+        return None
+    if info.size != size or b"\0" not in block[:_TAR_NAME_BYTES] or not info.isreg():
+        return None
+    return info.name if info.name.isascii() and info.name.isprintable() else None

@@ -24,7 +24,7 @@ from PIL import Image
 
 from prefetchd.errors import describe
 from prefetchd.plan import Plan
-from prefetchd.sources.index import SampleIndex
+from prefetchd.sources.index import FILE, SampleIndex
 from prefetchd.sources.samplereader import SampleReader
 from prefetchd.workers.transforms import ImagePipeline, validate_transforms
 from prefetchd_client.batchfile import PREAMBLE, BatchBuffer, BatchLayout, BatchWriter, FieldSpec, content_digest
@@ -89,7 +89,7 @@ class SampleProgress:
 
 
 _ADDED = {"label", "index", "valid"}  # what prefetchd adds to the fields a pipeline callable returns
-SPEC_VERSION = 3  # of producer.json: workers and `prefetchd verify` read it, perhaps another install's
+SPEC_VERSION = 4  # of producer.json: workers and `prefetchd verify` read it, perhaps another install's
 
 
 @dataclass(frozen=True)
@@ -105,10 +105,9 @@ class ProducerSpec:
     on_error: str = "replace"  # or "fail"
     decoder: str = "pillow"  # or "simplejpeg" (prefetchd.workers.fastdecode)
     plan_digest: str = ""  # prefetchd.config.plan_digest
-    image_columns: list = field(default_factory=list)  # per source: a Parquet source's image column, else ""
-    # per source: a WebDataset source's label_key (None: .cls labels, and for other kinds), to say
-    # why a sample has no label (version 3); None: not given, the message then names both ways
-    label_keys: list | None = None
+    # per source: its kind and its own keys (sources.kinds.own_options: a Parquet source's
+    # image_column, a WebDataset source's label_key), what its samples' reader needs (version 4)
+    sources: list = field(default_factory=list)
     version: int = SPEC_VERSION
 
     def to_json(self) -> dict:
@@ -207,7 +206,7 @@ class BatchProducer:
         self.paths = JobPaths(Path(spec.job_dir))
         self.plan = Plan.from_json(spec.plan)
         self.index = SampleIndex.load(self.paths.dir / "index") if index is None else index
-        self.reader = SampleReader(self.index, spec.image_columns, self.plan.source_sizes, spec.label_keys)
+        self.reader = SampleReader(self.index, spec.sources, self.plan.source_sizes)
         if spec.pipeline:
             self._user_fn = load_callable(spec.pipeline)
             self._image = None
@@ -240,7 +239,7 @@ class BatchProducer:
     def _run_user_fn(self, sid: int, rng: np.random.Generator) -> dict:
         source = {"path": self.index.path(sid), "label": self.index.label(sid), "index": int(sid)}
         if self.index.kinds is not None:  # a container's sample: its encoded image (None: a file of its own)
-            source["data"] = self.reader.image_bytes(sid)
+            source["data"] = None if self.index.kind(sid) == FILE else self.reader.image_bytes(sid)
         try:
             out = self._user_fn(source, rng)
         except (SystemExit, KeyboardInterrupt, GeneratorExit) as exc:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import io
 import math
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -45,7 +44,6 @@ from PIL import Image, ImageEnhance
 
 from prefetchd.errors import ConfigError
 from prefetchd.settings import DECODERS
-from prefetchd.sources.index import open_data_file
 from prefetchd.workers import fastdecode, roidecode, tjlib
 
 Box = tuple[float, float, float, float]  # (left, top, right, bottom) in source pixels
@@ -234,7 +232,7 @@ def validate_transforms(specs: list[dict]) -> tuple[int, int]:
 
 
 @dataclass
-class Plan:
+class CropPlan:
     """The image as it would be after the ops so far, without touching pixels."""
 
     w: int  # current (virtual) width and height
@@ -270,7 +268,7 @@ class Plan:
             self.resize_short(max(h, w))
 
 
-def _random_resized_crop(v: Plan, p: dict, rng: np.random.Generator) -> None:
+def _random_resized_crop(v: CropPlan, p: dict, rng: np.random.Generator) -> None:
     area = v.w * v.h
     log_lo, log_hi = math.log(p["ratio"][0]), math.log(p["ratio"][1])
     for _ in range(10):
@@ -294,11 +292,11 @@ def _random_resized_crop(v: Plan, p: dict, rng: np.random.Generator) -> None:
     v.resize(p["size"][1], p["size"][0])
 
 
-def _resize_short(v: Plan, p: dict, rng: np.random.Generator) -> None:
+def _resize_short(v: CropPlan, p: dict, rng: np.random.Generator) -> None:
     v.resize_short(p["size"] if p["size"] is not None else int(rng.integers(p["min"], p["max"] + 1)))
 
 
-def _random_crop(v: Plan, p: dict, rng: np.random.Generator) -> None:
+def _random_crop(v: CropPlan, p: dict, rng: np.random.Generator) -> None:
     h, w = p["size"]
     v.fit(h, w)
     top = int(rng.integers(0, v.h - h + 1))
@@ -306,19 +304,19 @@ def _random_crop(v: Plan, p: dict, rng: np.random.Generator) -> None:
     v.crop(left, top, w, h)
 
 
-def _center_crop(v: Plan, p: dict, rng: np.random.Generator) -> None:
+def _center_crop(v: CropPlan, p: dict, rng: np.random.Generator) -> None:
     h, w = p["size"]
     v.fit(h, w)
     v.crop(round((v.w - w) / 2), round((v.h - h) / 2), w, h)
 
 
-def _hflip(v: Plan, p: dict, rng: np.random.Generator) -> None:
+def _hflip(v: CropPlan, p: dict, rng: np.random.Generator) -> None:
     # Always draw, so p does not change which numbers later ops get.
     if rng.random() < p["p"]:
         v.mirrored = not v.mirrored
 
 
-def _color_jitter(v: Plan, p: dict, rng: np.random.Generator) -> None:
+def _color_jitter(v: CropPlan, p: dict, rng: np.random.Generator) -> None:
     for name, enhancer in (
         ("brightness", ImageEnhance.Brightness),
         ("contrast", ImageEnhance.Contrast),
@@ -328,7 +326,7 @@ def _color_jitter(v: Plan, p: dict, rng: np.random.Generator) -> None:
             v.enhance.append((enhancer, rng.uniform(max(0.0, 1 - p[name]), 1 + p[name])))
 
 
-_STEPS: dict[str, Callable[[Plan, dict, np.random.Generator], None]] = {
+_STEPS: dict[str, Callable[[CropPlan, dict, np.random.Generator], None]] = {
     "random_resized_crop": _random_resized_crop,
     "resize_short": _resize_short,
     "random_crop": _random_crop,
@@ -372,21 +370,19 @@ class ImagePipeline:
         self.decoder = resolve_decoder(decoder)  # a job's was resolved when its config was built
         self._native = NATIVE_DECODERS.get(self.decoder)
 
-    def plan(self, size: tuple[int, int], rng: np.random.Generator) -> Plan:
+    def plan(self, size: tuple[int, int], rng: np.random.Generator) -> CropPlan:
         """Draw this sample's random numbers (in config order) for an image of `size` (w, h)."""
-        v = Plan(size[0], size[1], (0.0, 0.0, float(size[0]), float(size[1])))
+        v = CropPlan(size[0], size[1], (0.0, 0.0, float(size[0]), float(size[1])))
         for op, params in self._steps:
             _STEPS[op](v, params, rng)
         return v
 
-    def apply(self, path: str, rng: np.random.Generator, out: np.ndarray, data: bytes | None = None) -> None:
-        """Decode the image at `path` (or its encoded bytes `data`, read from a container),
-        augment it with draws from `rng` and write the uint8 RGB result into `out` (shape
-        output_shape; may be a view into a batch buffer)."""
+    def apply(self, path: str, rng: np.random.Generator, out: np.ndarray, data: bytes) -> None:
+        """Decode `data`, the encoded image of the sample at `path` (its name in messages; the
+        sample reader read the bytes), augment it with draws from `rng` and write the uint8 RGB
+        result into `out` (shape output_shape; may be a view into a batch buffer)."""
         if out.shape != self.output_shape or out.dtype != np.uint8:
             raise ValueError(f"out must be uint8 of shape {self.output_shape}, got {out.dtype} {out.shape}")
-        if data is None:
-            data = read_image_file(path)
         if data[:2] == b"\xff\xd8" and data.count(b"\xff\xda") > tjlib.MAX_SCANS:  # SOS markers
             # A progressive JPEG of thousands of tiny scans takes Pillow or simplejpeg minutes
             # (libjpeg-turbo's scan limit guards the turbojpeg decoder alone).
@@ -425,21 +421,6 @@ class ImagePipeline:
         out[...] = np.asarray(img)
 
 
-MAX_FILE_BYTES = 1 << 30  # no image prefetchd decodes is bigger: a larger file is not read into memory
-
-
-def read_image_file(path: str) -> bytes:
-    """The bytes of the image file ``path``: a regular file (sources.open_data_file) of a sane size."""
-    fd, st = open_data_file(path)
-    try:
-        if st.st_size > MAX_FILE_BYTES:
-            raise ValueError(f"{path} has {st.st_size} bytes, more than any image ({MAX_FILE_BYTES})")
-        with open(fd, "rb", closefd=False) as f:
-            return f.read(MAX_FILE_BYTES + 1)
-    finally:
-        os.close(fd)
-
-
 def _open_image(source, path: str) -> Image.Image:
     """Image.open, naming ``path`` when the bytes were read already: Pillow names a BytesIO
     by its address, which would make a bad sample's recorded error differ from run to run."""
@@ -451,7 +432,7 @@ def _open_image(source, path: str) -> Image.Image:
         raise Image.UnidentifiedImageError(f"cannot identify image file {path!r}") from None
 
 
-def _finish(pixels: np.ndarray, v: Plan, out: np.ndarray) -> None:
+def _finish(pixels: np.ndarray, v: CropPlan, out: np.ndarray) -> None:
     """Flip and colour-jitter an output-sized RGB array into ``out``."""
     if v.mirrored:
         pixels = pixels[:, ::-1]

@@ -1,0 +1,115 @@
+"""The kinds of ``[[source]]``: one row each, declared once.
+
+A row says what a kind's table holds (the key naming its data, its own further keys and their
+defaults), how its samples are indexed, where a sample's bytes lie and what reads them there,
+and what one sample is (for docs/data.md). Config validation (prefetchd.config), indexing
+(master/job.py), the worker's sample reader (samplereader.py) and docs/data.md's table all go
+through KINDS, so a new kind is one module (its scan function, and a SampleBytes reader when its
+samples live inside containers) and one ``register`` call here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from prefetchd.sources.index import (
+    FILE,
+    PARQUET_ROW,
+    TAR_MEMBER,
+    OwnFiles,
+    SampleBytes,
+    SampleIndex,
+    read_file_list,
+    scan_image_folder,
+)
+from prefetchd.sources.parquetrows import ParquetRows
+from prefetchd.sources.parquetsource import scan_parquet
+from prefetchd.sources.shards import TarMembers, scan_webdataset
+
+COMMON_KEYS = ("kind", "name", "weight")  # what every kind's table may hold besides its own keys
+
+
+@dataclass(frozen=True)
+class SourceKind:
+    name: str  # kind = "<name>"
+    data_key: str  # the key that says where its data is: what --data replaces
+    scan: Callable[[dict, str], SampleIndex]  # (its checked table, how messages name it) -> its samples
+    one_sample: str  # what one sample is, for docs/data.md
+    options: dict[str, str | None] = field(default_factory=dict)  # its own string keys: defaults (None: unset)
+    patterns: bool = False  # data_key takes brace patterns or a list of them; scan resolves them against "base"
+    place: int = FILE  # where its samples' bytes lie (SampleIndex.kinds): FILE, a file of its own, or a container
+    reader: type[SampleBytes] = OwnFiles  # a worker's reader of the bytes at that place (one per worker)
+
+
+KINDS: dict[str, SourceKind] = {}
+
+
+def register(kind: SourceKind) -> SourceKind:
+    """Add a kind: one call per kind, below (a test registers a toy one). Two kinds may share a
+    place only with the same reader: the index records the place, not the kind."""
+    if kind.name in KINDS:
+        raise ValueError(f"a source kind {kind.name!r} is registered already")
+    for other in KINDS.values():
+        if other.place == kind.place and other.reader is not kind.reader:
+            raise ValueError(f"place {kind.place} is read by {other.reader.__name__} ({other.name!r}) already")
+    KINDS[kind.name] = kind
+    return kind
+
+
+def readers() -> dict[int, type[SampleBytes]]:
+    """Each place's reader."""
+    return {kind.place: kind.reader for kind in KINDS.values()}
+
+
+def own_options(source: dict) -> dict:
+    """What a worker needs of a checked [[source]] table: its kind and its own keys."""
+    kind = KINDS[source["kind"]]
+    return {"kind": kind.name, **{key: source.get(key) for key in kind.options}}
+
+
+def data_md_table() -> list[str]:
+    """The table of kinds at the top of docs/data.md (tests/test_config.py checks the page)."""
+    rows = ["| kind | keys | one sample is |", "|---|---|---|"]
+    for kind in KINDS.values():
+        own = [f'`{key}` (`"{value}"`)' if value is not None else f"`{key}`" for key, value in kind.options.items()]
+        rows.append(f"| `{kind.name}` | {', '.join([f'`{kind.data_key}`', *own])} | {kind.one_sample} |")
+    return rows
+
+
+def _files_in(key: str, scan: Callable[[str, str], SampleIndex]) -> Callable[[dict, str], SampleIndex]:
+    return lambda source, where: scan(source[key], where)
+
+
+register(
+    SourceKind(
+        "image_folder",
+        "root",
+        _files_in("root", scan_image_folder),
+        "a file under a class folder (torchvision's `ImageFolder` order)",
+    )
+)
+register(SourceKind("file_list", "path", _files_in("path", read_file_list), "a `path,label` line"))
+register(
+    SourceKind(
+        "webdataset",
+        "urls",
+        scan_webdataset,
+        "the members of a tar shard that share a key",
+        options={"label_key": None},
+        patterns=True,
+        place=TAR_MEMBER,
+        reader=TarMembers,
+    )
+)
+register(
+    SourceKind(
+        "parquet",
+        "path",
+        scan_parquet,
+        "a row",
+        options={"image_column": "image", "label_column": "label"},
+        place=PARQUET_ROW,
+        reader=ParquetRows,
+    )
+)
