@@ -5,8 +5,8 @@ indexing and a worker's batches then serve like any other, the same bytes as the
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +18,7 @@ from prefetchd.errors import ConfigError
 from prefetchd.master.job import build_index
 from prefetchd.plan import Plan
 from prefetchd.sources import kinds
-from prefetchd.sources.index import scan_image_folder
+from prefetchd.sources.index import SampleBytes, scan_image_folder
 from prefetchd.workers.producer import BatchProducer, ProducerSpec
 
 REPO = Path(__file__).resolve().parent.parent
@@ -58,13 +58,11 @@ class Blobs(SampleBytes):
 
 
 @pytest.fixture
-def toy_kind(tmp_path):
-    """The toy kind's module, imported, and its row registered for this test only."""
+def toy_kind(tmp_path, monkeypatch):
+    """The toy kind's module, importable, and its row registered for this test only."""
     (tmp_path / "toykind.py").write_text(TOY_MODULE)
-    spec = importlib.util.spec_from_file_location("toykind", tmp_path / "toykind.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    row = kinds.SourceKind("blobs", "path", module.scan_blobs, "a blob", place=module.PLACE, reader=module.Blobs)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    row = kinds.SourceKind("blobs", "path", "toykind:scan_blobs", "a blob", place=7, reader="toykind:Blobs")
     kinds.register(row)  # the one row
     try:
         yield row
@@ -113,13 +111,38 @@ def test_a_new_kind_is_one_module_and_one_row(toy_kind, jpeg_folder, tmp_path):
     as_files = _batches(config({"kind": "image_folder", "root": str(jpeg_folder)}), 3)
     for got, want in zip(made, as_files, strict=True):
         assert np.array_equal(got["image"], want["image"]) and np.array_equal(got["label"], want["label"])
+    assert "toykind" in sys.modules  # its code ran: the batches came through the row
 
 
 def test_a_place_is_read_by_one_reader_and_a_name_is_taken_once(toy_kind):
     with pytest.raises(ValueError, match="registered already"):
         kinds.register(toy_kind)
-    with pytest.raises(ValueError, match="read by Blobs"):
+    with pytest.raises(ValueError, match="read by toykind:Blobs"):
         kinds.register(kinds.SourceKind("other", "path", toy_kind.scan, "x", place=toy_kind.place))
+
+
+def test_every_rows_code_is_there_and_of_the_sources_layer():
+    """A row names its code by "module:attribute" (loaded on first use, so the CLI checks a
+    config without loading a reader): each must load, a scan function and a SampleBytes, in
+    prefetchd/sources/ (the worker side reads them; tests/test_structure.py cannot see a string)."""
+    for kind in kinds.KINDS.values():
+        assert callable(kind.scanner()), kind.scan
+        assert issubclass(kind.reader_class(), SampleBytes), kind.reader
+        for reference in (kind.scan, kind.reader):
+            assert reference.startswith("prefetchd.sources."), reference
+
+
+def test_checking_a_config_loads_no_reader():
+    """`prefetchd start` checks the config before it hands over: no tar or Parquet code on that path."""
+    source = "{'kind': 'parquet', 'path': 'x.parquet'}"
+    code = (
+        "import sys; from prefetchd.config import build_config; from pathlib import Path\n"
+        f"raw = {{'source': [{source}], 'transform': [{{'op': 'center_crop', 'size': 8}}]}}\n"
+        "build_config(raw, base=Path('.'), default_name='t')\n"
+        "print(sorted(m for m in sys.modules if m.startswith('prefetchd.sources.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert eval(out) == ["prefetchd.sources.index", "prefetchd.sources.kinds"], out
 
 
 def test_an_unknown_kind_names_the_registered_ones(tmp_path):

@@ -46,7 +46,7 @@ class Job:
 def build_index(sources: tuple[dict, ...]) -> tuple[SampleIndex, tuple[int, ...]]:
     """One index over all sources, in config order (sample ids continue across sources),
     and the number of samples of each source."""
-    parts = [KINDS[src["kind"]].scan(src, f"[[source]] #{i + 1} ({src['kind']})") for i, src in enumerate(sources)]
+    parts = [KINDS[src["kind"]].scanner()(src, f"[[source]] #{i + 1} ({src['kind']})") for i, src in enumerate(sources)]
     return SampleIndex.concat(parts), tuple(len(p) for p in parts)
 
 

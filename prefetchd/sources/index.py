@@ -184,6 +184,16 @@ class OwnFiles(SampleBytes):
         return read_image_file(path)
 
 
+def index_image_folder(source: dict, where: str) -> SampleIndex:
+    """A ``kind = "image_folder"`` source's samples (sources.kinds)."""
+    return scan_image_folder(source["root"], where)
+
+
+def index_file_list(source: dict, where: str) -> SampleIndex:
+    """A ``kind = "file_list"`` source's samples (sources.kinds)."""
+    return read_file_list(source["path"], where)
+
+
 def scan_image_folder(root: str, where: str) -> SampleIndex:
     """torchvision's ``ImageFolder(root).samples``, path for path and label for label.
 

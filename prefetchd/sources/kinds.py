@@ -10,36 +10,41 @@ samples live inside containers) and one ``register`` call here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import importlib
 from dataclasses import dataclass, field
+from functools import cache
 
-from prefetchd.sources.index import (
-    FILE,
-    PARQUET_ROW,
-    TAR_MEMBER,
-    OwnFiles,
-    SampleBytes,
-    SampleIndex,
-    read_file_list,
-    scan_image_folder,
-)
-from prefetchd.sources.parquetrows import ParquetRows
-from prefetchd.sources.parquetsource import scan_parquet
-from prefetchd.sources.shards import TarMembers, scan_webdataset
+from prefetchd.sources.index import FILE, PARQUET_ROW, TAR_MEMBER
 
 COMMON_KEYS = ("kind", "name", "weight")  # what every kind's table may hold besides its own keys
 
 
 @dataclass(frozen=True)
 class SourceKind:
+    """A kind's row. ``scan`` and ``reader`` name their code as "module:attribute", imported on
+    first use: the CLI checks a config with the rows alone, without loading a Parquet or tar
+    reader (kept off the command's start-up time)."""
+
     name: str  # kind = "<name>"
     data_key: str  # the key that says where its data is: what --data replaces
-    scan: Callable[[dict, str], SampleIndex]  # (its checked table, how messages name it) -> its samples
+    scan: str  # "module:function": (its checked table, how messages name it) -> its SampleIndex
     one_sample: str  # what one sample is, for docs/data.md
     options: dict[str, str | None] = field(default_factory=dict)  # its own string keys: defaults (None: unset)
     patterns: bool = False  # data_key takes brace patterns or a list of them; scan resolves them against "base"
     place: int = FILE  # where its samples' bytes lie (SampleIndex.kinds): FILE, a file of its own, or a container
-    reader: type[SampleBytes] = OwnFiles  # a worker's reader of the bytes at that place (one per worker)
+    reader: str = "prefetchd.sources.index:OwnFiles"  # "module:class", a SampleBytes: one per worker and place
+
+    def scanner(self):
+        return _load(self.scan)
+
+    def reader_class(self):
+        return _load(self.reader)
+
+
+@cache
+def _load(reference: str):
+    module, _, name = reference.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 KINDS: dict[str, SourceKind] = {}
@@ -51,15 +56,15 @@ def register(kind: SourceKind) -> SourceKind:
     if kind.name in KINDS:
         raise ValueError(f"a source kind {kind.name!r} is registered already")
     for other in KINDS.values():
-        if other.place == kind.place and other.reader is not kind.reader:
-            raise ValueError(f"place {kind.place} is read by {other.reader.__name__} ({other.name!r}) already")
+        if other.place == kind.place and other.reader != kind.reader:
+            raise ValueError(f"place {kind.place} is read by {other.reader} ({other.name!r}) already")
     KINDS[kind.name] = kind
     return kind
 
 
-def readers() -> dict[int, type[SampleBytes]]:
-    """Each place's reader."""
-    return {kind.place: kind.reader for kind in KINDS.values()}
+def reader_for(place: int):
+    """The SampleBytes class that reads the samples at ``place``; None for a place of no kind."""
+    return next((kind.reader_class() for kind in KINDS.values() if kind.place == place), None)
 
 
 def own_options(source: dict) -> dict:
@@ -77,39 +82,35 @@ def data_md_table() -> list[str]:
     return rows
 
 
-def _files_in(key: str, scan: Callable[[str, str], SampleIndex]) -> Callable[[dict, str], SampleIndex]:
-    return lambda source, where: scan(source[key], where)
-
-
 register(
     SourceKind(
         "image_folder",
         "root",
-        _files_in("root", scan_image_folder),
+        "prefetchd.sources.index:index_image_folder",
         "a file under a class folder (torchvision's `ImageFolder` order)",
     )
 )
-register(SourceKind("file_list", "path", _files_in("path", read_file_list), "a `path,label` line"))
+register(SourceKind("file_list", "path", "prefetchd.sources.index:index_file_list", "a `path,label` line"))
 register(
     SourceKind(
         "webdataset",
         "urls",
-        scan_webdataset,
+        "prefetchd.sources.shards:scan_webdataset",
         "the members of a tar shard that share a key",
         options={"label_key": None},
         patterns=True,
         place=TAR_MEMBER,
-        reader=TarMembers,
+        reader="prefetchd.sources.shards:TarMembers",
     )
 )
 register(
     SourceKind(
         "parquet",
         "path",
-        scan_parquet,
+        "prefetchd.sources.parquetsource:scan_parquet",
         "a row",
         options={"image_column": "image", "label_column": "label"},
         place=PARQUET_ROW,
-        reader=ParquetRows,
+        reader="prefetchd.sources.parquetrows:ParquetRows",
     )
 )

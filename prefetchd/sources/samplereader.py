@@ -67,7 +67,7 @@ class SampleReader:
     def _reader(self, place: int) -> SampleBytes:
         reader = self._readers.get(place)
         if reader is None:
-            make = kinds.readers().get(place)
+            make = kinds.reader_for(place)
             if make is None:
                 raise ValueError(f"unknown sample kind {place} in the index")
             reader = self._readers[place] = make()
