@@ -52,8 +52,7 @@ from pathlib import Path
 from prefetchd import settings
 from prefetchd.curve import load_authorized_keys
 from prefetchd.errors import ConfigError
-from prefetchd.settings import default_workers as default_workers
-from prefetchd.sources.kinds import COMMON_KEYS, KINDS  # scripts/bench.py imports it from here
+from prefetchd.sources.kinds import COMMON_KEYS, KINDS
 from prefetchd.workers import transforms
 from prefetchd_client.batchfile import VERSION as BATCH_FORMAT_VERSION
 from prefetchd_client.layout import parse_tcp_endpoint

@@ -1,5 +1,5 @@
 """The shape of the code, read from the source with ``ast``: the import graph, its cycles, the
-line counts, and the layers. tests/test_structure.py checks them; run as a script, this prints
+line counts, and the layers. tests/unit/test_structure.py checks them; run as a script, this prints
 them: the before and after of a structure change.
 
     python scripts/import_graph.py                    # this checkout
@@ -33,6 +33,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 VOCABULARY = "prefetchd"  # the modules at the top of the package
 CLIENT = "prefetchd_client"
+SCRIPTS = "scripts"  # tools for the checkout: they may import anything; nothing imports them
 LAYERS: dict[str, set[str]] = {  # folder -> the folders it may import (besides itself, VOCABULARY, CLIENT)
     "prefetchd.sources": set(),  # where samples come from: indexes, a sample's bytes
     "prefetchd.workers": {"prefetchd.sources"},  # the processes that make batches
@@ -40,6 +41,8 @@ LAYERS: dict[str, set[str]] = {  # folder -> the folders it may import (besides 
     "prefetchd.ops": set(),  # what operators see: status, metrics, systemd
     "prefetchd.master": {"prefetchd.sources", "prefetchd.workers", "prefetchd.remote", "prefetchd.ops"},
     "prefetchd.cli": {"prefetchd.master", "prefetchd.workers", "prefetchd.sources"},  # the command
+    # `prefetchd bench`: measured against DataLoader, run in a process of its own; nothing imports it
+    "prefetchd.bench": {"prefetchd.cli", "prefetchd.master", "prefetchd.workers", "prefetchd.sources"},
 }
 ALLOWED_EDGES = {
     ("prefetchd.__main__", "prefetchd.cli.app"): "the entry point runs the command",
@@ -59,7 +62,13 @@ CLIENT_PURE = {f"prefetchd_client.{m}" for m in ("batchfile", "layout", "ranks",
 
 
 def package_dirs(repo: Path) -> dict[str, Path]:
-    return {"prefetchd": repo / "prefetchd", "prefetchd_client": repo / "client" / "prefetchd_client"}
+    """Where the project's modules are: both packages, and scripts/ (run as files: a script
+    imports its siblings by their bare names, which the graph resolves to ``scripts.<name>``)."""
+    return {
+        "prefetchd": repo / "prefetchd",
+        "prefetchd_client": repo / "client" / "prefetchd_client",
+        SCRIPTS: repo / "scripts",
+    }
 
 
 PACKAGE_DIRS = package_dirs(REPO)
@@ -120,6 +129,8 @@ def import_graph(package_dirs: dict[str, Path] = PACKAGE_DIRS) -> dict[str, set[
             if not isinstance(node, (ast.Import, ast.ImportFrom)):
                 continue
             names = _imported_names(node, module, is_package)
+            if module.split(".")[0] == SCRIPTS:  # a sibling script by its bare name
+                names = [f"{SCRIPTS}.{n}" if f"{SCRIPTS}.{n.split('.')[0]}" in modules else n for n in names]
             if isinstance(node, ast.ImportFrom):
                 # `from pkg import name`: an edge to pkg.name when that is a module, else to pkg
                 # (the name is then defined by pkg itself); a star import needs pkg.
@@ -205,8 +216,8 @@ def format_graph(graph: dict[str, set[str]]) -> str:
 
 def layer_of(module: str) -> str:
     """The layer a module belongs to: its folder under prefetchd/, VOCABULARY at the top, CLIENT."""
-    if module.split(".")[0] == CLIENT:
-        return CLIENT
+    if module.split(".")[0] in (CLIENT, SCRIPTS):
+        return module.split(".")[0]
     parts = module.split(".")
     folder = ".".join(parts[:2])
     return folder if folder in LAYERS else VOCABULARY
@@ -220,6 +231,8 @@ def layer_breaches(graph: dict[str, set[str]]) -> list[str]:
         if mine == CLIENT:
             continue  # the client's own rule: never prefetchd (test_the_client_never_imports_the_daemon)
         allowed = {mine, VOCABULARY, CLIENT} | LAYERS.get(mine, set())
+        if mine == SCRIPTS:
+            allowed |= {VOCABULARY, *LAYERS}
         for target in sorted(graph[module]):
             if layer_of(target) not in allowed and (module, target) not in ALLOWED_EDGES:
                 breaches.append(f"{module} -> {target} ({mine} may not import {layer_of(target)})")

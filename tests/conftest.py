@@ -20,9 +20,9 @@ from prefetchd.cli.launch import stop_job
 from prefetchd_client.layout import JobPaths
 from prefetchd_client.locks import daemon_alive
 from prefetchd_client.manifest import read_manifest
+from tests.crossusers import ALICE, MALLORY, User, ensure_user, python_for, remove_path
 
-from .crossusers import ALICE, MALLORY, User, ensure_user, python_for, remove_path
-
+REPO = Path(__file__).resolve().parent.parent  # the checkout: examples/, configs/, docs/, build/
 SHM = "/dev/shm"
 JOB_ROOT_PREFIX = "prefetchd-test-"  # each test's private job root under SHM
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,8 +17,15 @@ from prefetchd_client import PrefetchLoader
 from prefetchd_client.batchfile import map_batch
 from prefetchd_client.layout import JobPaths
 from prefetchd_client.manifest import read_manifest
+from tests.conftest import cli
 
-from .conftest import cli
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on now (bound and released; another
+    process may take it before the test does, which the tests that use it tolerate)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -391,24 +391,24 @@ def bench(
         "bench-out"
     ),
 ) -> None:
-    """Compare prefetchd with torch's DataLoader on generated JPEGs (runs scripts/bench.py; more
-    flags after these go to it, see `python scripts/bench.py --help`)."""
-    import importlib.util
+    """Compare prefetchd with torch's DataLoader on generated JPEGs (runs `python -m prefetchd.bench`;
+    more flags after these go to it, see `python -m prefetchd.bench --help`)."""
     import subprocess
 
-    # The benchmark needs torch, which this process never imports: it runs in its own process.
-    script = Path(__file__).resolve().parents[2] / "scripts" / "bench.py"
-    if not script.is_file():
-        raise _fail(UserError(f"prefetchd bench runs scripts/bench.py of a source checkout; none at {script}"))
-    if importlib.util.find_spec("torch") is None:
-        raise _fail(UserError("prefetchd bench compares with torch's DataLoader: pip install torch"))
+    # The benchmark needs torch, which this process never imports: it runs in its own process,
+    # which checks that torch imports and otherwise says in one line what to install.
     args = ["--quick"] if quick else []
     for flag, value in (("--images", images), ("--workers", workers), ("--repeats", repeats)):
         if value is not None:
             args += [flag, str(value)]
     if batch_size is not None:
         args += ["--batch-size", str(batch_size)]
-    raise typer.Exit(subprocess.call([sys.executable, str(script), *args, "--out", str(out_dir), *ctx.args]))
+    bench_process = subprocess.Popen([sys.executable, "-m", "prefetchd.bench", *args, "--out", str(out_dir), *ctx.args])
+    while bench_process.returncode is None:
+        # Ctrl-C reaches the benchmark too (one process group): wait while it stops what it started.
+        with contextlib.suppress(KeyboardInterrupt):
+            bench_process.wait()
+    raise typer.Exit(bench_process.returncode)
 
 
 # `prefetchd start` without --foreground: main() launches the daemon process before typer

@@ -1,7 +1,7 @@
 """The job's policies: when a failure stops the daemon, when a batch may be tried again, how
 long to wait on a full tmpfs, which refusals reach the log. Pure: no processes, no files, no
 logging, no clock of their own (``now`` is an argument, ``time.monotonic()`` seconds), so
-each rule is tested in microseconds (tests/test_policy.py) instead of by ``kill -9`` runs.
+each rule is tested in microseconds (tests/unit/test_policy.py) instead of by ``kill -9`` runs.
 
 A policy that decides the daemon must stop raises ``DaemonStop`` with the message the user
 reads and its named exit code; logging what happened is the caller's business.

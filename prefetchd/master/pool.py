@@ -29,7 +29,8 @@ from prefetchd.errors import DaemonStop, ExitCode, JobError
 from prefetchd.master.job import Job
 from prefetchd.master.jobdir import ensure_private_dir
 from prefetchd.remote import raycluster
-from prefetchd.remote.raybridge import bridge_main, end_processes_using
+from prefetchd.remote.raybridge import bridge_main
+from prefetchd.remote.rayinstance import end_instance
 from prefetchd.workers import workerserver
 from prefetchd.workers.worker import HEARTBEAT_S, worker_main
 from prefetchd_client.batchfile import FieldSpec
@@ -171,7 +172,7 @@ class WorkerPool:
                 return
         except FileNotFoundError:
             return
-        ended = end_processes_using(str(folder))
+        ended = end_instance(str(folder))
         if ended:
             log.info("ended %d processes of the private Ray instance: %s", len(ended), ended[:20])
         shutil.rmtree(folder, ignore_errors=True)

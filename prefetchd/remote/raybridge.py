@@ -28,10 +28,9 @@ import time
 import traceback
 
 import numpy as np
-import psutil
 
 from prefetchd.messages import BootFailed, Done, ExecutorLost, Failed, Produce, Ready, decode, encode
-from prefetchd.remote import rayaddress, raycluster, rayresults, raytask
+from prefetchd.remote import rayaddress, raycluster, rayinstance, rayresults, raytask
 from prefetchd.workers.producer import (
     BatchProducer,
     ProducerSpec,
@@ -46,8 +45,6 @@ from prefetchd_client.batchfile import BatchFormatError, read_batch, write_batch
 _NODE_CHECK_S = 2.0  # how often the bridge asks Ray whether a node can still run the tasks
 _LOST_AFTER_S = 10.0  # how long the cluster may be unusable before the bridge gives it up
 _TASK_SLACK_S = 60.0  # added to a whole batch's time before a task is cancelled as wedged
-_END_TIMEOUT_S = 10.0  # to end a private instance's processes, SIGKILLed: they are gone within milliseconds
-_QUIET_SWEEPS, _SWEEP_PAUSE_S = 2, 0.2  # none found twice, this far apart: none is left
 
 
 def bridge_main(spec_json: str, conns: list, nice: int, options: dict) -> None:
@@ -102,105 +99,6 @@ def _leave_ray() -> None:
         os._exit(0)
 
 
-_GUARD = """
-import os, shutil, signal, stat, sys
-import psutil
-sys.stdin.buffer.read()  # end of file: the bridge is gone, killed or not
-folder, started = sys.argv[1], sys.argv[2:]
-for item in started:
-    pid, born = item.split(":")
-    try:
-        p = psutil.Process(int(pid))
-        if abs(p.create_time() - float(born)) < 0.01:
-            p.kill()
-    except (psutil.Error, OSError):
-        pass
-try:  # ours, a folder, closed to others: the pool may have removed it and another user made one
-    st = os.lstat(folder) if folder else None  # of that name since (ours stays ours: /tmp is sticky)
-except OSError:
-    st = None
-if st is not None and stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
-    from prefetchd.remote.raybridge import end_processes_using
-    end_processes_using(folder)  # the workers the raylet started after the guard did
-    shutil.rmtree(folder, ignore_errors=True)
-"""
-
-
-def _guard_private_instance(folder_elsewhere: str | None):
-    """A private instance's raylet dies with the bridge, but its agents then wait a minute on the
-    dead GCS before they exit: a small process kills what this bridge started once it is gone
-    (a kill -9 of the master or the bridge included). ``folder_elsewhere``: the instance's fresh
-    folder outside the job's (a job path too long for Ray's sockets), which the guard removes
-    then: no later start or stop knows its name. A folder in the job's is left to the next start
-    there (removed now, it might be that start's)."""
-    import subprocess
-    import sys
-
-    started = [f"{p.pid}:{p.create_time()}" for p in psutil.Process().children(recursive=True)]
-    unmarked = {k: v for k, v in os.environ.items() if k != raycluster.INSTANCE_MARK}  # not one to end
-    return subprocess.Popen(
-        [sys.executable, "-c", _GUARD, folder_elsewhere or "", *started],
-        stdin=subprocess.PIPE,
-        close_fds=True,
-        env=unmarked,
-    )
-
-
-def instance_processes(folder: str) -> list[psutil.Process]:
-    """This user's processes of the private instance in ``folder``: those that carry its mark
-    (raycluster.instance_mark) in the environment they started with. Every process of a Ray
-    instance (GCS, raylet, its agents, its workers) inherits it from the bridge; their titles
-    (ray::IDLE, ray::DashboardAgent) and parents (re-parented once the raylet dies) are not to be
-    trusted. The mark is, and it is there from the fork on: an agent the raylet forked a moment
-    before it was killed, still starting its interpreter, holds no file of the instance yet (a
-    clean-up that looked for open files missed it: CI, 1 run in 3). The user's own processes that
-    read Ray's logs there (`tail -f`, `less`) and the bridge's guard carry no mark: they are spared."""
-    ((name, value),) = raycluster.instance_mark(folder).items()
-    mark = os.fsencode(f"{name}={value}")
-    uid, me, found = os.getuid(), os.getpid(), []
-    for p in psutil.process_iter(["uids"]):
-        uids = p.info["uids"]
-        if p.pid != me and uids is not None and uids.real == uid and mark in _environment(p.pid):
-            found.append(p)
-    return found
-
-
-def _environment(pid: int) -> list[bytes]:
-    """The NAME=VALUE entries a process started with (/proc/<pid>/environ: set at its exec, not
-    changed by what it does later); [] when it is gone or not readable."""
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            return f.read().split(b"\0")
-    except OSError:
-        return []
-
-
-def end_processes_using(folder: str, timeout_s: float = _END_TIMEOUT_S) -> list[int]:
-    """SIGKILL every process of the private Ray instance in ``folder`` (its agents ignore SIGTERM
-    and outlive the raylet), until none is left or the
-    deadline; the pids that were ended."""
-    deadline, ended, quiet = time.monotonic() + timeout_s, [], 0
-    while time.monotonic() < deadline:
-        left = instance_processes(folder)
-        if not left:
-            # Once more a moment later: a process in the middle of its exec shows no environment
-            # (an agent the raylet started just before it was killed), and would be missed.
-            quiet += 1
-            if quiet == _QUIET_SWEEPS:
-                break
-            time.sleep(_SWEEP_PAUSE_S)
-            continue
-        quiet = 0
-        for p in left:
-            try:
-                p.kill()  # psutil checks the pid still names the process it found
-                ended.append(p.pid)
-            except psutil.Error:
-                pass
-        psutil.wait_procs(left, timeout=max(0.0, min(2.0, deadline - time.monotonic())))
-    return ended
-
-
 class Bridge:
     def __init__(self, spec_json: str, conns: list, options: dict):
         import ray
@@ -213,9 +111,10 @@ class Bridge:
         self.demand = {"CPU": 1.0, **options["resources"]}
         self.timeout_s = options["worker_timeout"]
         self.deadline_s = options["worker_timeout"] * self.local.plan.batch_size + _TASK_SLACK_S
+        if self.address == "local":  # before ray.init starts the instance's first process
+            folder = os.path.dirname(options["ray_temp"])
+            self.guard = rayinstance.start_guard(folder, options.get("ray_folder_elsewhere") == folder)
         raycluster.connect(ray, self.address, options, self._connect_timed_out)
-        if self.address == "local":
-            self.guard = _guard_private_instance(options.get("ray_folder_elsewhere"))
         index = self.local.index
         self.index_ref = ray.put(  # sent once, not with every task
             (index.paths, index.offsets, index.labels, index.kinds, index.members)

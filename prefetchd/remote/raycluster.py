@@ -43,10 +43,9 @@ _REASON = re.compile(
 )
 
 
-# Every process of a private instance carries this in its environment: the bridge sets it before
-# ray.init starts the GCS and the raylet, and they pass their environment on to the agents and
-# workers (measured with Ray 2.60: 8 of 8 processes). A process of the user's that merely holds
-# a file in the folder (`tail -f` of Ray's log) does not: the clean-up leaves it alone.
+# Every process of a private instance starts with this in its environment: the bridge sets it
+# before ray.init starts the GCS and the raylet, and they pass their environment on to the agents
+# and workers (measured with Ray 2.60: 8 of 8 processes). rayinstance finds them by it.
 INSTANCE_MARK = "PREFETCHD_RAY_INSTANCE"
 
 

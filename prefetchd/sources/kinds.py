@@ -74,7 +74,7 @@ def own_options(source: dict) -> dict:
 
 
 def data_md_table() -> list[str]:
-    """The table of kinds at the top of docs/data.md (tests/test_config.py checks the page)."""
+    """The table of kinds at the top of docs/data.md (tests/component/test_kinds.py checks the page)."""
     rows = ["| kind | keys | one sample is |", "|---|---|---|"]
     for kind in KINDS.values():
         own = [f'`{key}` (`"{value}"`)' if value is not None else f"`{key}`" for key, value in kind.options.items()]

@@ -228,7 +228,7 @@ def _key_ext(name: str) -> tuple[str, str] | None:
     webdataset.tariterators.base_plus_ext is ``re.match(r"^((?:.*/|)[^.]+)[.]([^/]*)$", name)``:
     "d/.x.jpg" is key "d/" with extension "x.jpg". That regex backtracks in quadratic time
     over a name of many slashes (60 KB: 20 s; a pax name may be megabytes), so this is its
-    linear equivalent (tests/test_shards.py checks it on every name of up to 6 of "a./\\n"): the
+    linear equivalent (tests/component/test_shards.py checks it on every name of up to 6 of "a./\\n"): the
     extension follows the first dot of the last path part; the key before it must end in at
     least one non-dot after a slash that ".*" reaches (no newline before it) or the start."""
     last = name.rfind("/")

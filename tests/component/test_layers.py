@@ -1,0 +1,58 @@
+"""The layering rules of the design, checked on the real modules."""
+
+import re
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+DAEMON_MODULES = [
+    "prefetchd.cli.app",
+    "prefetchd.master.daemon",
+    "prefetchd.master.loop",
+    "prefetchd.workers.worker",
+    "prefetchd.cli.demo",
+]
+
+
+def imported_after(code: str) -> set[str]:
+    out = subprocess.run(
+        [sys.executable, "-c", f"{code}\nimport sys; print(' '.join(sys.modules))"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    return {m.split(".")[0] for m in out.split()}
+
+
+def test_the_daemon_never_imports_torch():
+    modules = imported_after("\n".join(f"import {m}" for m in DAEMON_MODULES))
+    assert "prefetchd" in modules and "torch" not in modules
+
+
+def test_the_client_needs_only_numpy_and_pyzmq():
+    modules = imported_after("from prefetchd_client import PrefetchLoader")
+    assert {"numpy", "zmq"} <= modules
+    assert not {"torch", "PIL", "prefetchd", "watchdog", "typer"} & modules
+
+
+def test_workers_and_the_command_pay_nothing_for_the_loader():
+    """The package's names load on first use: a worker and `prefetchd start` import parts of the
+    client (the batch format, the job's folders), never the loader, ZeroMQ's asyncio or Ray."""
+    for code in ("import prefetchd.workers.worker", "import prefetchd.cli.app, prefetchd.cli.launch"):
+        modules = imported_after(code)
+        assert not {"asyncio", "torch", "ray"} & modules, code
+    assert "zmq" not in imported_after("import prefetchd.workers.worker")
+
+
+def test_no_pickle_where_a_peer_can_write():
+    pattern = re.compile(r"import pickle|cPickle|recv_pyobj|send_pyobj|allow_pickle\s*=\s*True|torch\.load\(")
+    offenders = [
+        f"{path.relative_to(REPO)}:{i}"
+        for folder in ("prefetchd", "client")
+        for path in (REPO / folder).rglob("*.py")
+        for i, line in enumerate(path.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
+    assert offenders == []

@@ -1,0 +1,227 @@
+"""Corrupt, truncated, empty, non-image, oversized or vanished files: replaced or fatal, by policy;
+counted exactly; never a change in the number of batches per rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from prefetchd import control
+from prefetchd.cli.datagen import make_image_folder
+from prefetchd_client import DaemonDied, PrefetchLoader
+from prefetchd_client.batchfile import map_batch
+from prefetchd_client.layout import JobPaths
+from tests.component.test_parquet import HF_IMAGE, jpegs, pa, pq
+from tests.component.test_shards import jpeg, write_shard
+from tests.conftest import cli, start_job, wait_until, write_config
+from tests.helpers import read_epoch
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def spoil(folder, rng, fraction: float) -> set[str]:
+    """Damage a fraction of the JPEGs in as many ways as a real dataset offers; returns their paths."""
+    files = sorted(folder.rglob("*.jpg"))
+    chosen = rng.choice(len(files), size=max(1, round(fraction * len(files))), replace=False)
+    damages = [
+        lambda p: p.write_bytes(p.read_bytes()[: len(p.read_bytes()) // 3]),  # truncated
+        lambda p: p.write_bytes(b""),  # empty
+        lambda p: p.write_text("not an image at all"),  # not an image
+        lambda p: p.write_bytes(b"\xff\xd8\xff\xe0" + bytes(rng.integers(0, 256, 500, dtype=np.uint8))),  # garbage
+        lambda p: Image.new("RGB", (8, 8)).save(p, "GIF"),  # a format not on the allow-list
+        lambda p: p.unlink(),  # vanished after indexing
+        lambda p: (p.unlink(), os.mkfifo(p)),  # a FIFO in its place after indexing: a plain open would block
+    ]
+    for n, i in enumerate(chosen):
+        damages[n % len(damages)](files[i])
+    return {str(files[i]) for i in chosen}
+
+
+# 0.1 % needs 1,000 files for one bad one; 50 batches per epoch in every case.
+@pytest.mark.parametrize("fraction, images", [(0.001, 1000), (0.01, 200), (0.1, 200)])
+def test_bad_samples_are_replaced_counted_and_identical_across_runs(tmp_path, job_root, fraction, images):
+    batch = images // 50
+    data = make_image_folder(tmp_path / "data", classes=4, per_class=images // 4, size=(24, 48), seed=7)
+    # A file list, indexed without looking at the files, so a vanished file is still a sample.
+    files = sorted(data.rglob("*.jpg"))
+    (tmp_path / "train.txt").write_text("".join(f"{p},{i % 4}\n" for i, p in enumerate(files)))
+    bad = spoil(data, np.random.default_rng(1), fraction)
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(
+        f'[job]\nname = "job"\nbatch_size = {batch}\n[daemon]\nworkers = 2\nbuffer = "8M"\n'
+        '[[source]]\nkind = "file_list"\npath = "train.txt"\n[[transform]]\nop = "random_resized_crop"\nsize = 16\n'
+    )
+    runs = []
+    for _ in range(2):
+        paths = start_job(cfg)
+        batches = read_epoch("job", batch_size=batch, with_meta=True, timeout=120)
+        headers, pixels = [b.meta for b in batches], [b.arrays["image"] for b in batches]
+        status = control.request(paths.endpoint, {"op": "status"})
+        assert cli("stop", "job").returncode == 0
+        runs.append((headers, pixels, status))
+        log_text = paths.log.read_text() if paths.log.exists() else ""
+        assert log_text == ""  # stop removed the job directory, log included
+    (headers, pixels, status), (headers2, pixels2, _) = runs
+    assert len(headers) == 50  # the number of batches never changes
+    replaced = [r for h in headers for r in h["replaced"]]
+    assert {r["path"] for r in replaced} == bad, "every bad file is replaced, and only those"
+    assert all(r["replacement"] != r["index"] for r in replaced)
+    assert status["totals"]["bad_samples"] >= len(bad)  # produced batches may run past the epoch
+    assert headers == headers2 and all(np.array_equal(a, b) for a, b in zip(pixels, pixels2))
+    print(f"\n[figure] {fraction:.1%} bad ({len(bad)} of {images}): all replaced, 50 batches, runs identical")
+
+
+def test_on_error_fail_stops_naming_the_file(tmp_path, job_root):
+    data = make_image_folder(tmp_path / "data", classes=2, per_class=8, size=(40, 60), seed=3)
+    victim = sorted(data.rglob("*.jpg"))[0]
+    victim.write_bytes(b"garbage")
+    cfg = write_config(tmp_path, data, batch_size=16, size=16)
+    paths = start_job(cfg, "--on-error", "fail")
+    # A trainer that connects after the daemon stopped is told why, as one that waited is.
+    wait_until(lambda: "ERROR stopped" in paths.log.read_text(), timeout_s=30, what="daemon stopped")
+    with pytest.raises(DaemonDied, match=f"cannot read a sample: sample \\d+ \\(file {victim}\\): UnidentifiedImage"):
+        next(iter(PrefetchLoader("job", as_tensors=False, timeout=30)))
+    # The tmpfs is freed; the log that says why stays until `prefetchd stop` clears it.
+    assert sorted(p.name for p in paths.dir.iterdir()) == ["daemon.lock", "daemon.log", "stopped.json"]
+    assert str(victim) in paths.log.read_text()
+    assert cli("stop", "job").returncode == 0 and not paths.dir.exists()
+
+
+def test_a_dataset_that_is_mostly_broken_stops_the_daemon(tmp_path, job_root):
+    data = make_image_folder(tmp_path / "data", classes=1, per_class=80, size=(40, 60), seed=4)
+    for p in sorted(data.rglob("*.jpg"))[:70]:
+        p.write_bytes(b"")
+    cfg = write_config(tmp_path, data, batch_size=64, size=16)
+    start_job(cfg)
+    # Whether the trainer connects before the daemon stops or after, it is told why.
+    with pytest.raises(DaemonDied, match="unreadable (samples in a row|and so were 10 replacements)"):
+        next(iter(PrefetchLoader("job", as_tensors=False, timeout=30)))
+
+
+def test_decompression_bombs_are_bad_samples(tmp_path, job_root):
+    data = make_image_folder(tmp_path / "data", classes=1, per_class=8, size=(40, 60), seed=5)
+    bomb = sorted(data.rglob("*.jpg"))[2]
+    Image.new("L", (12000, 12000)).save(bomb, "PNG")  # 144 Mpx > Pillow's 89 Mpx limit; ~140 KB on disk
+    bomb.rename(bomb.with_suffix(".png"))
+    paths = start_job(write_config(tmp_path, data, batch_size=8, size=16))
+    loader = PrefetchLoader("job", as_tensors=False)
+    next(iter(loader))
+    meta = map_batch(paths.batch(0, 0, 0))[0]["meta"]
+    assert [r["path"] for r in meta["replaced"]] == [str(bomb.with_suffix(".png"))]
+    assert "DecompressionBomb" in meta["replaced"][0]["error"]
+    loader.close()
+    assert json.dumps(meta)  # the header stays small JSON
+
+
+def test_many_bad_samples_with_long_paths_fit_the_header(tmp_path, job_root):
+    """11 of 48 files spoilt, paths of ~500 characters, 2 batches of 24: one batch holds 6 or
+    more, whose full records (path, error) outgrow the header area. The batch keeps its size
+    and records every replacement in the short form; the paths are in the daemon's log."""
+    data = make_image_folder(tmp_path / ("d" * 200) / "train", classes=2, per_class=24, size=(24, 48), seed=3)
+    for p in sorted(data.rglob("*.jpg")):
+        p.rename(p.with_name("x" * 200 + p.name))
+    files = sorted(data.rglob("*.jpg"))
+    (tmp_path / "train.txt").write_text("".join(f"{p},{i % 2}\n" for i, p in enumerate(files)))
+    bad = spoil(data, np.random.default_rng(2), 11 / 48)
+    cfg = tmp_path / "job.toml"
+    cfg.write_text(
+        '[job]\nname = "job"\nbatch_size = 24\n[daemon]\nbuffer = "8M"\n'
+        '[[source]]\nkind = "file_list"\npath = "train.txt"\n[[transform]]\nop = "random_resized_crop"\nsize = 16\n'
+    )
+    paths = start_job(cfg)
+    loader = PrefetchLoader("job", as_tensors=False, timeout=60)
+    metas = []
+    for epoch in range(2):
+        for step, batch in enumerate(loader):
+            assert len(batch["index"]) == 24
+            metas.append(map_batch(paths.batch(epoch, step, 0))[0]["meta"])
+    log = paths.log.read_text()
+    loader.close()
+    assert len(metas) == 4
+    short = [m for m in metas if m.get("replaced_details") == "daemon.log"]
+    assert short and all(set(r) == {"slot", "index", "replacement"} for m in short for r in m["replaced"])
+    for epoch in range(2):  # every bad file replaced in each epoch, and only those
+        replaced = {str(files[r["index"]]) for m in metas[2 * epoch : 2 * epoch + 2] for r in m["replaced"]}
+        assert replaced == bad
+    assert all(path in log for path in bad)
+
+
+def stopped_job(config: Path, name: str = "job") -> tuple[str, JobPaths]:
+    """Start a job whose daemon stops on its own soon; its stop reason, as `start` printed it
+    (the daemon stopped during start-up) or as stopped.json has it (it stopped after)."""
+    result = cli("start", str(config))
+    paths = JobPaths.of(name)
+    if result.returncode == 0:
+        wait_until(lambda: paths.stopped.exists(), timeout_s=30, what="the daemon stopped")
+        return json.loads(paths.stopped.read_text())["message"], paths
+    return result.stderr, paths
+
+
+def hf_parquet(path: Path, images: list[bytes | None]) -> Path:
+    """A Hugging Face Image column as `datasets` writes it; a None image is a struct whose bytes
+    are null and whose path is set, as ``Dataset.from_dict({"image": paths}).cast_column("image",
+    Image())`` leaves it without embedding the files."""
+    rows = [{"bytes": b, "path": f"/home/me/img{i}.jpg"} for i, b in enumerate(images)]
+    table = pa.table({"image": pa.array(rows, HF_IMAGE), "label": pa.array([i % 3 for i in range(len(rows))])})
+    pq.write_table(table, path)
+    return path
+
+
+def test_a_parquet_file_of_unembedded_images_stops_with_the_readers_words_and_the_rows_place(tmp_path, job_root):
+    """issue 24 finding 4: the daemon stopped with "is the data folder readable?"; what the reader
+    said (a null image) was swallowed by the replacement loop, and nowhere to be read."""
+    data = hf_parquet(tmp_path / "train.parquet", [None] * 40)
+    config = write_config(tmp_path, tmp_path, batch_size=8, source=f'kind = "parquet"\npath = "{data}"')
+    message, paths = stopped_job(config)
+    cause = re.compile(rf"ValueError: {re.escape(str(data))}: null image in column 'image' \(row group 0, row \d+\)")
+    place = re.compile(rf"sample \d+ \(Parquet file {re.escape(str(data))} row group 0 row \d+\)")
+    assert cause.search(message) and place.search(message), message
+    assert "data folder readable" not in message
+    stopped = json.loads(paths.stopped.read_text())
+    assert stopped["exit_code"] == 6 and cause.search(stopped["message"]) and place.search(stopped["message"])
+    log = paths.log.read_text()
+    assert cause.search(log) and place.search(log), log
+    with pytest.raises(DaemonDied, match=r"null image in column 'image'"):
+        next(iter(PrefetchLoader("job", as_tensors=False, timeout=30)))
+    # The ten replacements' causes are told once each, not ten times: they differ only by row.
+    assert message.count("null image") <= 3, message
+    assert len(message) < 2000
+    print(f"\n[figure] 40 null images: stop message of {len(message)} chars: {message[:400]}")
+    assert cli("stop", "job").returncode == 0
+
+
+def test_a_few_null_images_among_good_rows_are_recorded_each_with_its_cause(tmp_path, job_root):
+    images = jpegs(24, seed=3)
+    bad = {3, 10, 17}
+    data = hf_parquet(tmp_path / "train.parquet", [None if i in bad else b for i, b in enumerate(images)])
+    config = write_config(tmp_path, tmp_path, batch_size=4, source=f'kind = "parquet"\npath = "{data}"')
+    paths = start_job(config)
+    batches = read_epoch("job", with_meta=True, batch_size=4)
+    replaced = {r["index"]: r for b in batches for r in b.meta["replaced"]}
+    assert sorted(replaced) == sorted(bad)
+    lines = []
+    for i, record in replaced.items():
+        assert record["error"] == f"ValueError: {data}: null image in column 'image' (row group 0, row {i})"
+        assert record["path"] == f"Parquet file {data} row group 0 row {i}"
+        lines.append(f"(Parquet file {data} row group 0 row {i}): {record['error']}")
+    # The master logs a batch's bad samples when its worker reports it, which may be after a
+    # trainer has read the published batch.
+    wait_until(lambda: all(line in paths.log.read_text() for line in lines), what="each cause in daemon.log")
+    assert cli("stop", "job").returncode == 0
+
+
+def test_shards_labelled_by_json_without_label_key_stop_saying_so(tmp_path, job_root):
+    samples = [{"jpg": jpeg(i), "json": json.dumps({"label": i % 2}).encode()} for i in range(16)]
+    shard = write_shard(tmp_path / "s.tar", samples)
+    config = write_config(tmp_path, tmp_path, batch_size=4, source=f'kind = "webdataset"\nurls = "{shard}"')
+    message, paths = stopped_job(config)
+    assert re.search(rf"sample \d+ \(shard {re.escape(str(shard))} member \d+\.jpg\)", message), message
+    assert "label_key" in message and ".json" in message, message
+    assert "label_key" in paths.log.read_text()
+    assert cli("stop", "job").returncode == 0

@@ -1,0 +1,106 @@
+"""Bad input through the real command: a clear message, a non-zero exit, nothing left behind."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.conftest import cli, write_config
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def assert_clean_failure(result, *phrases: str, root=None) -> None:
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr
+    for phrase in phrases:
+        assert phrase in result.stderr, result.stderr
+    if root is not None:
+        assert list(root.iterdir()) == [], "a failed start left files behind"
+
+
+def test_missing_data_folder(tmp_path, job_root):
+    cfg = write_config(tmp_path, tmp_path / "nowhere")
+    assert_clean_failure(cli("start", str(cfg)), "data folder", "does not exist", "--data", root=job_root)
+
+
+def test_empty_data_folder(tmp_path, job_root):
+    (tmp_path / "empty").mkdir()
+    cfg = write_config(tmp_path, tmp_path / "empty")
+    assert_clean_failure(cli("start", str(cfg)), "no class sub-folders", root=job_root)
+
+
+def test_unreadable_file_list(tmp_path, job_root):
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(
+        '[[source]]\nkind = "file_list"\npath = "missing.txt"\n[[transform]]\nop = "center_crop"\nsize = 8\n'
+    )
+    assert_clean_failure(cli("start", str(cfg)), "cannot read file list", "missing.txt", root=job_root)
+
+
+def test_unknown_transform_op_and_key(tmp_path, jpeg_folder, job_root):
+    cfg = write_config(tmp_path, jpeg_folder, extra='\n[[transform]]\nop = "sharpen"\n')
+    assert_clean_failure(cli("start", str(cfg)), "unknown transform op 'sharpen'", root=job_root)
+    cfg = write_config(tmp_path, jpeg_folder, extra='\n[[transform]]\nop = "hflip"\nprob = 0.3\n')
+    assert_clean_failure(cli("start", str(cfg)), "unknown key 'prob'", "known keys: p", root=job_root)
+
+
+def test_buffer_that_does_not_parse(tmp_path, jpeg_folder, job_root):
+    cfg = write_config(tmp_path, jpeg_folder)
+    result = cli("start", str(cfg), "--buffer", "30 gigs")
+    assert_clean_failure(result, "--buffer", "K, M, G or T", root=job_root)
+    assert result.returncode == 2
+
+
+def test_buffer_smaller_than_one_batch(tmp_path, jpeg_folder, job_root):
+    cfg = write_config(tmp_path, jpeg_folder, world_size=2)
+    assert_clean_failure(
+        cli("start", str(cfg), "--buffer", "20K"), "smaller than one batch per rank", "use --buffer", root=job_root
+    )
+
+
+def test_buffer_larger_than_the_free_tmpfs(tmp_path, jpeg_folder, job_root):
+    free = os.statvfs(job_root).f_bavail * os.statvfs(job_root).f_frsize
+    too_big = f"{free // (1 << 20) + 1024}M"
+    cfg = write_config(tmp_path, jpeg_folder)
+    assert_clean_failure(
+        cli("start", str(cfg), "--buffer", too_big), "exceeds the", "free", "--shm-size", root=job_root
+    )
+
+
+def test_fewer_samples_than_one_global_batch(tmp_path, jpeg_folder, job_root):
+    cfg = write_config(tmp_path, jpeg_folder, batch_size=40, world_size=2)
+    assert_clean_failure(cli("start", str(cfg)), "fewer than one global batch", root=job_root)
+
+
+def test_missing_config_file_and_bad_job_names(tmp_path, job_root):
+    assert_clean_failure(cli("start", str(tmp_path / "nope.toml")), "does not exist")
+    assert_clean_failure(cli("status", "../x"), "invalid job name")
+    assert_clean_failure(cli("stop", "not-running"), "no prefetchd job 'not-running' is running")
+    assert_clean_failure(cli("status", "not-running"), "prefetchd start")
+
+
+def test_status_with_no_jobs(job_root):
+    result = cli("status")
+    assert result.returncode == 0 and "no jobs" in result.stdout
+    assert cli("status", "--json").stdout.strip() == "[]"
+
+
+def test_demo_runs_end_to_end(tmp_path, job_root):
+    result = cli(
+        "demo",
+        "--images",
+        "80",
+        "--epochs",
+        "1",
+        "--workers",
+        "1",
+        "--root",
+        str(job_root),
+        env={"PREFETCHD_CACHE": str(tmp_path)},
+        timeout=110,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "images/s" in result.stdout and "waited for data" in result.stdout
+    assert list(job_root.iterdir()) == []
