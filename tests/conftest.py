@@ -27,6 +27,12 @@ SHM = "/dev/shm"
 JOB_ROOT_PREFIX = "prefetchd-test-"  # each test's private job root under SHM
 
 
+def pytest_collection_modifyitems(items):
+    """The heavy tests first: each takes as long as dozens of others, and one that starts last
+    keeps one test process busy while the other has nothing left to run."""
+    items.sort(key=lambda item: item.get_closest_marker("heavy") is None)  # stable: otherwise as collected
+
+
 @pytest.fixture(scope="session")
 def jpeg_folder(tmp_path_factory) -> Path:
     """4 classes x 12 real JPEGs of 64-160 px."""

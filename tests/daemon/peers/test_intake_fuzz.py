@@ -127,6 +127,7 @@ def read_all(job: str, rank: int, epochs: int) -> list[dict]:
         loader.close()
 
 
+@pytest.mark.heavy
 def test_fuzzed_intakes_leave_the_daemon_serving_identical_batches(tmp_path, jpeg_folder, job_root):
     paths = start_job(write_config(tmp_path, jpeg_folder, world_size=2, batch_size=4, buffer="2M"))
     pid = read_manifest(paths)["pid"]

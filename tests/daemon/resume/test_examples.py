@@ -122,6 +122,7 @@ def saved_loader_state(name: str, ckpt: Path) -> dict:
     return state["loader"]
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", list(CASES))
 def test_example_resumes_at_the_exact_batch(name, tmp_path, jpeg_folder, job_root):

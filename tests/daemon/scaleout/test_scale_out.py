@@ -68,6 +68,7 @@ def run_trainers(job: str, root_of_rank, *, stop_after=None, state=None) -> list
     return results
 
 
+@pytest.mark.heavy
 def test_two_nodes_make_the_batches_one_node_makes_and_resume_on_one(node_roots, jpeg_folder, tmp_path):
     config = write_config(tmp_path, jpeg_folder, world_size=WORLD, batch_size=2, workers=1, buffer="2M")
     one, two = node_roots
