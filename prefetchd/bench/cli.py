@@ -40,6 +40,7 @@ import argparse
 import os
 import signal
 import sys
+import traceback
 from pathlib import Path
 
 from rich.console import Console
@@ -111,7 +112,11 @@ def torch_missing() -> str | None:
     return None
 
 
+_stopped: list[int] = []  # the stop signals received
+
+
 def _interrupt(signum, frame):
+    _stopped.append(signum)
     raise KeyboardInterrupt  # SIGTERM cleans up like Ctrl-C: through every finally
 
 
@@ -134,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
     console = Console(width=None if sys.stdout.isatty() else 200)  # a log keeps the table whole
     signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGINT, _interrupt)
     # Forked children (DataLoader workers, the data and loop processes) are stopped with
     # SIGTERM by their owners: they must simply die, not unwind this process's cleanup.
     os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
@@ -142,6 +148,13 @@ def main(argv: list[str] | None = None) -> int:
         results = measure_all(run)
     except KeyboardInterrupt:
         return 130  # Ctrl-C or SIGTERM: the finally below has stopped and removed everything
+    except Exception as exc:
+        if _stopped:  # a Ctrl-C reaches the whole process group: a step it ended first fails
+            return 130
+        trace = out / "bench-error.txt"
+        trace.write_text("".join(traceback.format_exception(exc)))
+        print(f"error: the benchmark failed: {str(exc)[:300]} (the traceback is in {trace})", file=sys.stderr)
+        return 1
     finally:
         run.close()
     results["cleanup"]["pids"] = sorted(run.pids)

@@ -49,6 +49,7 @@ def _job_paths(job: str, root: Optional[Path]) -> JobPaths:
 
 
 _IPC_PATH_MAX_BYTES = 107  # a Unix socket's sun_path, less its terminating NUL
+_BENCH_STOP_S = 60.0  # after Ctrl-C, for the benchmark to stop the daemons it started; then it is killed
 
 
 def _check_ipc_path(paths: JobPaths) -> None:
@@ -404,11 +405,15 @@ def bench(
     if batch_size is not None:
         args += ["--batch-size", str(batch_size)]
     bench_process = subprocess.Popen([sys.executable, "-m", "prefetchd.bench", *args, "--out", str(out_dir), *ctx.args])
-    while bench_process.returncode is None:
-        # Ctrl-C reaches the benchmark too (one process group): wait while it stops what it started.
-        with contextlib.suppress(KeyboardInterrupt):
-            bench_process.wait()
-    raise typer.Exit(bench_process.returncode)
+    try:
+        code = bench_process.wait()  # minutes, by design: it measures
+    except KeyboardInterrupt:  # it reached the benchmark too (one process group): it stops what it started
+        try:
+            code = bench_process.wait(timeout=_BENCH_STOP_S)
+        except (KeyboardInterrupt, subprocess.TimeoutExpired):  # a second Ctrl-C, or it hangs: ended
+            bench_process.kill()
+            code = bench_process.wait()
+    raise typer.Exit(code)
 
 
 # `prefetchd start` without --foreground: main() launches the daemon process before typer
