@@ -44,7 +44,6 @@ _PERMUTATION = 0x5045524D
 _AUGMENT = 0x4155474D
 _INTERLEAVE = 0x494C5645
 _REPLACE = 0x5245504C
-MIX_RULES = ("cycle", "first_exhausted", "all_once")
 
 
 @dataclass(frozen=True)

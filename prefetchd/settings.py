@@ -19,12 +19,14 @@ from dataclasses import KW_ONLY, dataclass
 from typing import Any
 
 from prefetchd.errors import ConfigError
-from prefetchd.plan import MIX_RULES
 from prefetchd.sizes import parse_size
 from prefetchd_client.layout import MAX_RANK, check_job_name, parse_tcp_endpoint
 from prefetchd_client.ranks import parse_ranks
 
 SECTIONS = ("job", "daemon", "mix", "pipeline")
+# How sources take turns across an epoch ([mix] epoch = ...); plan.Plan implements each. Declared
+# here, beside the key, so that the command's flags need no numpy (plan imports it).
+MIX_RULES = ("cycle", "first_exhausted", "all_once")
 # The JPEG decoders, slowest first; prefetchd.workers.transforms.NATIVE_DECODERS implements all but Pillow.
 DECODERS = ("pillow", "simplejpeg", "turbojpeg")
 Rule = tuple[Callable[[Any], bool], str]  # (is the value valid, what "must be" it is)

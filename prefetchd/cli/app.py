@@ -18,7 +18,6 @@ from rich.markup import escape
 
 from prefetchd import control, settings
 from prefetchd.cli.terminal import bounded, err, literal, out
-from prefetchd.config import load_config
 from prefetchd.errors import DaemonStop, ExitCode, JobError, UserError, describe, error_from_json
 from prefetchd_client.errors import AuthError, UnsafeFolder
 from prefetchd_client.folders import OpenJob, open_job, open_private_dir
@@ -131,6 +130,8 @@ def start(
 
     overrides = {s.option: flags[s.option] for s in settings.SETTINGS} | {"data": data}
     try:
+        from prefetchd.config import load_config  # numpy, Pillow: only `start` needs them
+
         cfg = load_config(config, overrides)
         paths = _job_paths(cfg.name, root)
         if cfg.endpoint == "ipc":

@@ -19,14 +19,17 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 from prefetchd import control, stopsignals
-from prefetchd.config import Config
 from prefetchd.errors import JobError, error_from_json
 from prefetchd_client.errors import AuthError, UnsafeFolder
 from prefetchd_client.folders import OpenJob, open_job
 from prefetchd_client.layout import JobPaths
 from prefetchd_client.locks import daemon_alive, lock_holder
+
+if TYPE_CHECKING:  # annotations only: `stop` and `status` need no config (numpy, Pillow)
+    from prefetchd.config import Config
 
 _START_TIMEOUT_S = 600.0  # indexing a million files on a network filesystem takes a while
 _STOP_TIMEOUT_S = 15.0
