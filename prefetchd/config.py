@@ -211,8 +211,8 @@ def _check_keys(table: dict, known, where: str) -> None:
 
 
 def _resolve(path: str, base: Path) -> str:
-    p = Path(path).expanduser()
     try:
+        p = Path(path).expanduser()  # RuntimeError for ~user of no such user
         return str(p if p.is_absolute() else (base / p).resolve())
     except (RuntimeError, OSError) as exc:  # a symlink loop on the way
         raise ConfigError(f"cannot resolve the path {path!r} against {base}: {exc}") from None
@@ -346,6 +346,8 @@ def _check_sources(raw_sources, data: str | None, base: Path) -> tuple[dict, ...
     if data is not None:
         if len(raw_sources) > 1:
             raise ConfigError("--data replaces the only [[source]]'s folder, but the config has several")
+        if raw_sources and not isinstance(raw_sources[0], dict):
+            raise ConfigError("[[source]] #1 must be a table")
         kind = raw_sources[0].get("kind", "image_folder") if raw_sources else "image_folder"
         key = KINDS[kind].data_key if isinstance(kind, str) and kind in KINDS else "root"
         raw_sources = [{**(raw_sources[0] if raw_sources else {"kind": kind}), key: data}]

@@ -56,7 +56,7 @@ _RANGE = re.compile(r"\{(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?\}")
 def expand_urls(urls: str | list[str], base: str = "") -> Iterator[str]:
     """The shard paths that the brace patterns name (``train-{000000..000127}.tar``), in order,
     lazily; a relative one joined to ``base`` (the config's folder), then made absolute."""
-    from braceexpand import braceexpand
+    from braceexpand import UnbalancedBracesError, braceexpand
 
     for pattern in [urls] if isinstance(urls, str) else urls:
         names = _range_product(pattern)
@@ -64,8 +64,11 @@ def expand_urls(urls: str | list[str], base: str = "") -> Iterator[str]:
             raise DataError(
                 f"urls pattern {pattern!r} names {names:,} shards, more than {MAX_SHARDS:,}; is a brace range too wide?"
             )
-        for path in braceexpand(pattern):
-            yield os.path.abspath(os.path.join(base, os.path.expanduser(path)))
+        try:
+            for path in braceexpand(pattern):  # lazily: a product of {a,b} lists is not counted above
+                yield os.path.abspath(os.path.join(base, os.path.expanduser(path)))
+        except UnbalancedBracesError:
+            raise DataError(f"urls pattern {pattern!r} has unbalanced braces; write {{A..B}} or {{a,b}}") from None
 
 
 def _range_product(pattern: str) -> int:

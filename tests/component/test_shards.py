@@ -576,3 +576,11 @@ def test_a_shard_with_a_member_of_negative_size_is_indexed_once_then_cached(tmp_
     again = scan(str(path))  # a cache refused (a negative size in it) is written anew
     assert (os.stat(cached).st_ino, os.stat(cached).st_mtime_ns) == (written.st_ino, written.st_mtime_ns)
     assert first.members.tolist() == again.members.tolist() and len(again) == 3
+
+
+@pytest.mark.parametrize("pattern", ["shard-{0..3", "shard-{0..3}}", "{a,b"])
+def test_a_pattern_with_unbalanced_braces_is_a_data_error_naming_it(tmp_path, pattern):
+    """Before: braceexpand's UnbalancedBracesError reached `start` as an internal error (exit 70)."""
+    with pytest.raises(DataError, match="has unbalanced braces"):
+        list(shards.expand_urls(pattern, str(tmp_path)))
+

@@ -116,6 +116,10 @@ def test_data_flag_replaces_the_source_root(tmp_path):
         ({"transform": [{"op": "hflip"}]}, {}, "fixed"),
         ({"pipeline": {"callable": "nocolon"}}, {}, "package.module:function"),
         ({"pipeline": {"callable": "a:b", "extra": 1}}, {}, "unknown key 'extra'"),
+        # found by attacking the source registry: a traceback each before
+        ({"source": [1]}, {"data": "/d"}, r"\[\[source\]\] #1 must be a table"),
+        ({"source": [{"kind": "image_folder", "root": "~pfd-no-such-user/x"}]}, {}, "cannot resolve the path"),
+        ({}, {"data": "~pfd-no-such-user/x"}, "cannot resolve the path '~pfd-no-such-user/x'"),
     ],
 )
 def test_invalid_configs_name_the_problem(raw, overrides, message):
