@@ -110,7 +110,10 @@ def test_a_stop_signal_at_each_step_of_a_detached_start(tmp_path, jpeg_folder, j
                 command.wait(10)
         if target == "daemon":
             _check_outcome(command, stderr, step, "stopped by SIGTERM during start-up")
-        elif step == "manifest":  # it may have heard the daemon was ready, or not
+        elif step in ("control socket", "manifest"):  # it may have heard the daemon was ready, or not
+            # The socket is bound milliseconds before the daemon announces the job, and the command
+            # checks for a stop once more after it heard: a signal that comes after that check finds a
+            # start that is done (seen in 1 of 5 full runs here: exit 0, the job serving).
             assert command.returncode in (0, 4), stderr
             if command.returncode == 0:  # then its daemon serves, and must be stopped as any
                 wait_until(lambda: not (job_root / "job").exists() or _stop(), what="the job stopped")
