@@ -3,6 +3,7 @@ that stops every daemon a test started (by its pid) and checks nothing is left b
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -67,6 +68,20 @@ def job_root(monkeypatch) -> Path:
     remove_root(root)
     shutil.rmtree(temp, ignore_errors=True)
     shutil.rmtree(cache, ignore_errors=True)
+
+
+@pytest.fixture
+def serve(job_root):
+    """Start a job's master in this process (tests/inprocess.py): ``serve(config, overrides)``
+    returns the serving InProcessJob; each is stopped when the test ends, before its root goes."""
+    from tests.inprocess import master_in_process
+
+    with contextlib.ExitStack() as jobs:
+
+        def start(config, overrides=None, **kwargs):
+            return jobs.enter_context(master_in_process(config, overrides, **kwargs))
+
+        yield start
 
 
 @pytest.fixture

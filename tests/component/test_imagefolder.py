@@ -21,10 +21,8 @@ import pytest
 
 from prefetchd.cli.datagen import make_image
 from prefetchd.errors import DataError
-from prefetchd.plan import Plan
 from prefetchd.sources.index import SampleIndex, read_file_list, scan_image_folder
-from tests.conftest import REPO, cli, start_job, wait_until, write_config
-from tests.helpers import read_epoch
+from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -181,41 +179,3 @@ def test_file_list_that_is_not_utf8_is_a_data_error_naming_the_line(tmp_path):
     listing.write_bytes(b"a.jpg,0\n" + os.fsencode(f"{NON_UTF8},1\n"))
     with pytest.raises(DataError, match=r"train.txt:2: file lists must be UTF-8 text.*0xff.*image_folder"):
         read_file_list(str(listing), "[[source]] #1")
-
-
-def test_daemon_serves_an_epoch_whose_index_and_label_match_torchvision_samples(tmp_path, job_root, torchvision_folder):
-    root = imagenet_shaped_folder(tmp_path).resolve()  # as the config resolves it
-    samples = torchvision_folder.ImageFolder(str(root)).samples
-    paths = start_job(write_config(tmp_path, root, batch_size=2, buffer="2M"))
-    daemon_index = SampleIndex.load(paths.dir / "index")
-    assert [(daemon_index.path(i), daemon_index.label(i)) for i in range(len(daemon_index))] == samples
-    plan = Plan(len(samples), 1, 2, seed=0)
-    batches = [(b.arrays, b.meta) for b in read_epoch("job", with_meta=True, timeout=120)]
-    assert cli("stop", "job").returncode == 0
-    assert len(batches) == plan.batches_per_epoch == 11
-    for step, (batch, meta) in enumerate(batches):
-        ids = plan.sample_ids(0, step, 0)
-        assert batch["index"].tolist() == ids.tolist()
-        assert batch["label"].tolist() == [samples[i][1] for i in ids]
-        assert meta["replaced"] == [], "every file, the non-UTF-8 one included, decodes"
-    served = {i for batch, _ in batches for i in batch["index"].tolist()}
-    assert served == set(range(len(samples)))  # the non-UTF-8 name among them
-
-
-def test_unreadable_sample_with_a_non_utf8_name_is_replaced_and_recorded_under_its_name(tmp_path, job_root):
-    root = tmp_path / "train"
-    for i in range(7):
-        write_jpeg(root / "cat" / f"{i}.jpg", i)
-    bad = root / "cat" / NON_UTF8
-    bad.write_bytes(b"\xff\xd8 not really a JPEG")
-    paths = start_job(write_config(tmp_path, root, batch_size=2, buffer="2M"))
-    batches = [(b.arrays, b.meta) for b in read_epoch("job", with_meta=True, timeout=120)]
-    # The master logs a bad sample when the worker reports, which may come after the reader saw it.
-    wait_until(lambda: b"bad sample" in paths.log.read_bytes(), what="the bad sample's log line")
-    log = paths.log.read_bytes()
-    assert cli("stop", "job").returncode == 0
-    replaced = [r for _, meta in batches for r in meta["replaced"]]
-    assert [r["path"] for r in replaced] == [str(bad)]  # JSON carries the surrogate-escaped name
-    # The log is UTF-8 text: the name's two bytes appear escaped, and the line is not lost.
-    assert b"Logging error" not in log and b"bad sample 7 (" + os.fsencode(str(root)) in log
-    assert b"/cat/\\xff\\xfe.jpg): " in log  # the name's two bytes as printable shows them

@@ -18,8 +18,6 @@ from prefetchd.errors import ConfigError, DataError  # noqa: E402
 from prefetchd.sources.index import NO_LABEL, PARQUET_ROW  # noqa: E402
 from prefetchd.sources.parquetrows import ParquetRows  # noqa: E402
 from prefetchd.sources.parquetsource import scan_parquet  # noqa: E402
-from tests.conftest import cli, start_job, write_config  # noqa: E402
-from tests.helpers import read_epoch  # noqa: E402
 
 pytestmark = pytest.mark.timeout(30)
 WHERE = "[[source]] #1 (parquet)"
@@ -326,35 +324,6 @@ def test_a_struct_field_named_by_its_path_is_refused_saying_what_to_name(tmp_pat
         scan_parquet(source(path, image_column="img", label_column="y.z"), WHERE)
     with pytest.raises(DataError, match=r"'img.bytes' is field 'bytes' of struct column 'img'; .*image_column = 'img'"):
         scan_parquet(source(path, image_column="img.bytes", label_column="y"), WHERE)
-
-
-@pytest.mark.timeout(120)
-def test_start_serves_the_label_column_of_that_name_beside_a_struct_of_the_same_path(tmp_path, job_root):
-    """issue 24 finding 6: `prefetchd start` exited 70 (an internal error, ArrowTypeError) for
-    ``label_column = "y.z"`` beside a struct ``y{z}`` that came first in the file."""
-    table = pa.table(
-        {
-            "image": pa.array(jpegs(8)),
-            "y": pa.array([{"z": 100 + i} for i in range(8)]),
-            "y.z": pa.array([i % 3 for i in range(8)]),
-        }
-    )
-    data = tmp_path / "x.parquet"
-    pq.write_table(table, data)
-    source = f'kind = "parquet"\npath = "{data}"\nlabel_column = "y.z"'
-    start_job(write_config(tmp_path, tmp_path, batch_size=4, source=source))
-    try:
-        batches = read_epoch("job", batch_size=4)
-        served = {int(i): int(y) for b in batches for i, y in zip(b.arrays["index"], b.arrays["label"])}
-        assert served == {i: i % 3 for i in range(8)}
-    finally:
-        assert cli("stop", "job").returncode == 0
-    wrong_source = f'kind = "parquet"\npath = "{data}"\nlabel_column = "y"'
-    wrong = write_config(tmp_path, tmp_path, name="wrong", source=wrong_source)
-    refused = cli("start", str(wrong))
-    assert refused.returncode == 3, refused.stderr
-    assert "label_column 'y' is struct<z: int64>, not an integer type" in refused.stderr
-    assert "Traceback" not in refused.stderr
 
 
 def _files_of_big_footers(folder, n: int) -> list[str]:

@@ -20,8 +20,6 @@ from prefetchd.errors import DataError
 from prefetchd.sources import shards
 from prefetchd.sources.index import NO_LABEL, TAR_MEMBER
 from tests.component.test_shards_fuzz import run_seeds
-from tests.conftest import start_job, write_config
-from tests.helpers import read_epoch
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -171,24 +169,6 @@ def test_a_fifo_swapped_in_after_indexing_is_unreadable_not_a_hang(tmp_path):
             reader.read(str(shard), *index.member(0))
     finally:
         reader.close()
-
-
-def test_bad_samples_in_a_served_shard_are_replaced_and_recorded_without_shifting_ids(tmp_path, job_root):
-    samples = good(12)
-    samples[2] = {"jpg": b"\xff\xd8 not a jpeg", "cls": b"1"}  # an image member that is no image
-    samples[5] = {"jpg": jpeg(5)}  # no label
-    samples[7] = {"txt": b"no image", "cls": b"0"}  # no image member
-    shard = write_shard(tmp_path / "s.tar", samples)
-    source = f'kind = "webdataset"\nurls = "{shard}"'
-    start_job(write_config(tmp_path, tmp_path, name="bad", batch_size=4, source=source))
-    batches = read_epoch("bad", with_meta=True)
-    replaced = {r["index"]: r for b in batches for r in b.meta["replaced"]}
-    assert sorted(replaced) == [2, 5, 7]
-    assert "no label" in replaced[5]["error"] and "no image member" in replaced[7]["error"]
-    assert str(shard) in replaced[2]["path"]
-    for b in batches:  # every other sample keeps its id and its label
-        for i, label in zip(b.arrays["index"].tolist(), b.arrays["label"].tolist()):
-            assert i not in (2, 5, 7) and label == i % 3
 
 
 def test_a_pax_header_with_a_negative_size_ends_the_shard_instead_of_looping(tmp_path):
@@ -371,27 +351,6 @@ def test_sparse_members_from_gnu_tar_are_read_whole_and_the_shard_goes_on(tmp_pa
         (im, i % 3) for i, im in enumerate(images)
     ]
     assert read_all(scan(str(shard))) == [(im, i % 3) for i, im in enumerate(images)]
-
-
-def test_a_job_serves_every_sparse_sample_and_replaces_a_repeated_key_naming_shard_and_key(tmp_path, job_root):
-    sparse_folder(tmp_path / "src", n=6)
-    sparse = gnu_tar(tmp_path / "src", tmp_path / "sparse.tar", "posix", sorted(os.listdir(tmp_path / "src")))
-    members = [
-        (f"{i:06d}.{ext}", jpeg(i) if ext == "jpg" else str(i % 3).encode())
-        for i in range(6, 12)
-        for ext in ("jpg", "cls")
-    ]
-    members[4:4] = [("000008.jpg", jpeg(99)), ("000008.cls", b"1")]  # key 000008 twice, labels 2 then 1
-    repeats = write_members(tmp_path / "repeats.tar", members)
-    source = f'kind = "webdataset"\nurls = ["{sparse}", "{repeats}"]'
-    start_job(write_config(tmp_path, tmp_path, name="wds", batch_size=4, source=source))
-    batches = read_epoch("wds", with_meta=True)
-    replaced = {r["index"]: r for b in batches for r in b.meta["replaced"]}
-    assert sorted(replaced) == [8]  # all 6 samples of the sparse shard are served, and 11 others
-    assert str(repeats) in replaced[8]["path"]
-    assert "key '000008' repeats" in replaced[8]["error"], replaced[8]
-    served = {i: label for b in batches for i, label in zip(b.arrays["index"].tolist(), b.arrays["label"].tolist())}
-    assert set(served) == set(range(12)) - {8} and all(label == i % 3 for i, label in served.items())
 
 
 def test_a_sparse_member_whose_map_lies_or_expands_past_any_image_is_bad_and_the_shard_goes_on(tmp_path):
@@ -583,4 +542,3 @@ def test_a_pattern_with_unbalanced_braces_is_a_data_error_naming_it(tmp_path, pa
     """Before: braceexpand's UnbalancedBracesError reached `start` as an internal error (exit 70)."""
     with pytest.raises(DataError, match="has unbalanced braces"):
         list(shards.expand_urls(pattern, str(tmp_path)))
-

@@ -15,10 +15,8 @@ import zmq.auth
 from prefetchd import settings
 from prefetchd.config import Config, build_config, load_config
 from prefetchd.errors import ConfigError
-from prefetchd.plan import Plan
 from prefetchd.workers import transforms
-from prefetchd_client.manifest import read_manifest
-from tests.conftest import REPO, cli, start_job, write_config
+from tests.conftest import REPO, cli
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -136,16 +134,6 @@ def test_the_echo_is_every_key_with_a_value_a_config_file_accepts(tmp_path):
     assert again == cfg
 
 
-def test_status_echoes_the_config(tmp_path, jpeg_folder, job_root):
-    config = write_config(tmp_path, jpeg_folder, name="echo", seed=4, world_size=2)
-    start_job(config, "--retain", "3")
-    result = cli("status", "echo", "--json")
-    assert result.returncode == 0, result.stderr
-    status = json.loads(result.stdout)
-    assert "config" in status, "prefetchd.ops.status.job_status must echo the config: settings.echo(m.config)"
-    assert status["config"] == settings.echo(load_config(config, {"retain": 3}))
-
-
 def test_the_readme_config_table_is_the_settings_table():
     text = README.read_text()
     found = re.search(r"<!-- settings:begin -->\n(.*?)<!-- settings:end -->", text, re.S)
@@ -161,25 +149,3 @@ def test_a_flag_named_apart_from_its_key_names_both_in_its_error(tmp_path):
         load_config(None, {"data": str(tmp_path), "mix": "forever"})
     with pytest.raises(ConfigError, match=r"^\[daemon\] retain / --retain must be 0 or more, got -1$"):
         load_config(None, {"data": str(tmp_path), "retain": -1})
-
-
-def test_mix_flag_overrides_the_config_files_epoch_rule(tmp_path, jpeg_folder, job_root):
-    """Two weighted sources of 48 images: a `cycle` epoch runs until the weight-1 source has
-    given all 48 (48 + 144 samples), a `first_exhausted` one ends when the weight-3 source has
-    (48 + 16)."""
-    extra = '\n[mix]\nepoch = "cycle"\n'
-    config = write_config(tmp_path, jpeg_folder, name="mixed", batch_size=4, extra=extra)
-    one_source = f'[[source]]\nkind = "image_folder"\nroot = "{jpeg_folder}"\n'
-    two_sources = (
-        f'[[source]]\nname = "a"\nweight = 1\nkind = "image_folder"\nroot = "{jpeg_folder}"\n\n'
-        f'[[source]]\nname = "b"\nweight = 3\nkind = "image_folder"\nroot = "{jpeg_folder}"\n'
-    )
-    assert one_source in config.read_text()
-    config.write_text(config.read_text().replace(one_source, two_sources))
-
-    def plan(mix: str) -> Plan:
-        return Plan(96, 1, 4, source_sizes=(48, 48), weights=(1.0, 3.0), mix=mix)
-
-    assert plan("first_exhausted").batches_per_epoch != plan("cycle").batches_per_epoch
-    paths = start_job(config, "--mix", "first_exhausted")
-    assert read_manifest(paths)["batches_per_epoch"] == plan("first_exhausted").batches_per_epoch

@@ -16,9 +16,8 @@ import threading
 import pytest
 
 from prefetchd import control
-from prefetchd.cli.launch import stop_job
 from prefetchd_client.manifest import read_manifest
-from tests.conftest import daemon_family, start_job, wait_pids_gone, wait_until, write_config
+from tests.conftest import wait_until, write_config
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -61,11 +60,11 @@ def batch_pages(mount, paths) -> int:
     return used - other
 
 
-def test_batches_a_client_still_maps_count_against_the_bound(tmp_path, jpeg_folder, small_tmpfs, monkeypatch):
-    monkeypatch.setenv("PREFETCHD_ROOT", str(small_tmpfs / "root"))
+def test_batches_a_client_still_maps_count_against_the_bound(tmp_path, jpeg_folder, small_tmpfs, serve, monkeypatch):
+    monkeypatch.setenv("PREFETCHD_ROOT", str(small_tmpfs / "root"))  # the job's, and the holder's
     # ~16 KiB batches, a 128 KiB bound: 7 slots for 12 batches an epoch, 3 of them pinned.
-    paths = start_job(write_config(tmp_path, jpeg_folder, buffer="128K", size=32), "--retain", "0")
-    pids = daemon_family(paths)
+    job = serve(write_config(tmp_path, jpeg_folder, buffer="128K", size=32), {"retain": 0})
+    paths = job.paths
     bound = read_manifest(paths)["buffer_bytes"]
     holder = subprocess.Popen([sys.executable, "-c", HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     peak, done = [0], threading.Event()
@@ -120,5 +119,4 @@ def test_batches_a_client_still_maps_count_against_the_bound(tmp_path, jpeg_fold
         if holder.poll() is None:
             holder.kill()
             holder.wait(10)
-        stop_job(paths, timeout_s=10)
-        wait_pids_gone(pids)
+        job.stop()

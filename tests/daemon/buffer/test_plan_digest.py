@@ -162,14 +162,14 @@ def plant(source, target) -> None:
 
 
 def test_a_planted_batch_of_another_plan_is_refused_by_verify_mode_and_reported_by_prefetchd_verify(
-    tmp_path, folders, job_root
+    tmp_path, folders, serve
 ):
     # Job "other" differs in world size only: the same config hash, the same file size. Its
     # step 1 of rank 0 holds samples that our step 2 holds: an adopted leftover would look so.
-    paths = start_job(job_config(tmp_path / "job.toml", folders, world_size=1))
+    paths = serve(job_config(tmp_path / "job.toml", folders, world_size=1)).paths
     other = job_config(tmp_path / "other.toml", folders, world_size=2)
     other.write_text(other.read_text().replace('name = "job"', 'name = "other"'))
-    other_paths = start_job(other)
+    other_paths = serve(other).paths
     wait_until(lambda: paths.batch(0, 1, 0).exists() and other_paths.batch(0, 1, 0).exists(), what="both batches")
     ours, theirs = read_manifest(paths), read_manifest(other_paths)
     assert (ours["config_hash"], ours["batch_bytes"]) == (theirs["config_hash"], theirs["batch_bytes"])

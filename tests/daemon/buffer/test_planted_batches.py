@@ -29,7 +29,7 @@ from prefetchd_client.batchfile import (
     map_batch,
 )
 from prefetchd_client.layout import batch_name
-from tests.conftest import cli, start_job, wait_until, write_config
+from tests.conftest import wait_until, write_config
 
 pytestmark = pytest.mark.timeout(120)
 FIELDS = [FieldSpec("image", "uint8", (2, 4, 4, 3)), FieldSpec("label", "int64", (2,))]
@@ -82,8 +82,8 @@ def test_a_symlink_named_like_a_batch_is_refused_not_followed(tmp_path):
         map_batch(link)
 
 
-def test_a_fifo_named_like_a_batch_fails_the_read_at_once_and_leaves_no_thread_stuck(tmp_path, jpeg_folder, job_root):
-    paths = start_job(write_config(tmp_path, jpeg_folder, seed=11))
+def test_a_fifo_named_like_a_batch_fails_the_read_at_once_and_leaves_no_thread_stuck(tmp_path, jpeg_folder, serve):
+    paths = serve(write_config(tmp_path, jpeg_folder, seed=11)).paths
     fifo = paths.batch(20, 0, 0)  # far ahead: the daemon has not made it, and takes it as made
     os.mkfifo(fifo, 0o600)
     threads_before = set(_readahead_threads())
@@ -112,13 +112,14 @@ def _release_a_reader_blocked_on(fifo: Path) -> None:
         pass  # no reader waits (ENXIO), or the FIFO is gone
 
 
-def test_a_restarted_daemon_drops_a_leftover_batch_nested_too_deep(tmp_path, jpeg_folder, job_root):
+def test_a_restarted_daemon_drops_a_leftover_batch_nested_too_deep(tmp_path, jpeg_folder, serve):
     config = write_config(tmp_path, jpeg_folder, seed=12)
-    paths = start_job(config)
+    job = serve(config)
+    paths = job.paths
     wait_until(lambda: paths.batch(0, 1, 0).exists(), timeout_s=60, what="batch e0 s1 published")
-    assert cli("stop", "job", "--keep").returncode == 0
+    job.stop(keep=True)
     planted = crafted_batch(paths.batch(0, 1, 0), NESTED, size=120_000)
-    start_job(config)  # the daemon reads the leftover: a RecursionError would stop it
+    serve(config)  # the master reads the leftover: a RecursionError would stop it
     assert "deleted 1" in paths.log.read_text()
     wait_until(lambda: _is_a_real_batch(planted), timeout_s=60, what="batch e0 s1 made again")
 

@@ -65,8 +65,8 @@ def test_an_error_is_raised_at_its_step_on_the_trainers_thread():
     assert not readahead_threads()
 
 
-def test_a_left_epoch_stops_its_thread_and_close_leaves_none(tmp_path, jpeg_folder, job_root):
-    start_job(write_config(tmp_path, jpeg_folder, batch_size=4, buffer="1M"))
+def test_a_left_epoch_stops_its_thread_and_close_leaves_none(tmp_path, jpeg_folder, serve):
+    serve(write_config(tmp_path, jpeg_folder, batch_size=4, buffer="1M"))
     loader = PrefetchLoader("job", as_tensors=False, timeout=30)
     first = iter(loader)
     next(first), next(first)
@@ -79,11 +79,11 @@ def test_a_left_epoch_stops_its_thread_and_close_leaves_none(tmp_path, jpeg_fold
     wait_until(lambda: not readahead_threads(), what="no read-ahead thread after close()")
 
 
-def test_a_batch_the_trainer_drops_is_freed_at_once_not_inside_the_next_step(tmp_path, jpeg_folder, job_root):
+def test_a_batch_the_trainer_drops_is_freed_at_once_not_inside_the_next_step(tmp_path, jpeg_folder, serve):
     """The loader keeps no reference to a batch it handed out: when the trainer drops it, its
     arrays die then (and the mapping goes to the unmapper thread), during the trainer's own
     step. A reference kept by the loader freed it inside the next next(): 1-3 ms there."""
-    start_job(write_config(tmp_path, jpeg_folder, batch_size=4, buffer="1M"))
+    serve(write_config(tmp_path, jpeg_folder, batch_size=4, buffer="1M"))
     loader = PrefetchLoader("job", as_tensors=False, timeout=30)
     batches = iter(loader)
     for _ in range(3):
@@ -173,10 +173,10 @@ def test_a_new_epoch_starts_with_its_first_batch_already_mapped(tmp_path, jpeg_f
     assert not readahead_threads()
 
 
-def test_the_timeout_counts_from_when_the_trainer_asks(tmp_path, jpeg_folder, job_root):
+def test_the_timeout_counts_from_when_the_trainer_asks(tmp_path, jpeg_folder, serve):
     """A one-batch window: the next batch is made only once the trainer moves on. A step
     (an evaluation) longer than ``timeout`` is no time-out: the wait starts when it asks."""
-    start_job(write_config(tmp_path, jpeg_folder, batch_size=4, buffer="20K", extra=""), "--retain", "0")
+    serve(write_config(tmp_path, jpeg_folder, batch_size=4, buffer="20K", extra=""), {"retain": 0})
     loader = PrefetchLoader("job", as_tensors=False, timeout=1)
     batches = iter(loader)
     batch = next(batches)
@@ -187,10 +187,10 @@ def test_the_timeout_counts_from_when_the_trainer_asks(tmp_path, jpeg_folder, jo
     loader.close()
 
 
-def test_a_loader_dropped_between_epochs_is_collected_and_leaves_no_thread(tmp_path, jpeg_folder, job_root):
+def test_a_loader_dropped_between_epochs_is_collected_and_leaves_no_thread(tmp_path, jpeg_folder, serve):
     """The next epoch's reader runs between epochs; it holds the loader weakly, so dropping the
     loader still frees it (its trainer lock too) and stops that thread."""
-    paths = start_job(write_config(tmp_path, jpeg_folder, batch_size=4, buffer="1M"))
+    paths = serve(write_config(tmp_path, jpeg_folder, batch_size=4, buffer="1M")).paths
     loader = PrefetchLoader("job", as_tensors=False, timeout=30)
     epoch0 = iter(loader)
     for _ in range(len(loader)):

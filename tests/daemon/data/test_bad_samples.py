@@ -14,12 +14,15 @@ from PIL import Image
 
 from prefetchd import control
 from prefetchd.cli.datagen import make_image_folder
+from prefetchd.cli.launch import stop_job
+from prefetchd.errors import UserError
 from prefetchd_client import DaemonDied, PrefetchLoader
 from prefetchd_client.batchfile import map_batch
 from prefetchd_client.layout import JobPaths
+from prefetchd_client.locks import daemon_alive
 from tests.component.test_parquet import HF_IMAGE, jpegs, pa, pq
 from tests.component.test_shards import jpeg, write_shard
-from tests.conftest import cli, start_job, wait_until, write_config
+from tests.conftest import wait_until, write_config
 from tests.helpers import read_epoch
 
 pytestmark = pytest.mark.timeout(180)
@@ -45,7 +48,7 @@ def spoil(folder, rng, fraction: float) -> set[str]:
 
 # 0.1 % needs 1,000 files for one bad one; 50 batches per epoch in every case.
 @pytest.mark.parametrize("fraction, images", [(0.001, 1000), (0.01, 200), (0.1, 200)])
-def test_bad_samples_are_replaced_counted_and_identical_across_runs(tmp_path, job_root, fraction, images):
+def test_bad_samples_are_replaced_counted_and_identical_across_runs(tmp_path, serve, fraction, images):
     batch = images // 50
     data = make_image_folder(tmp_path / "data", classes=4, per_class=images // 4, size=(24, 48), seed=7)
     # A file list, indexed without looking at the files, so a vanished file is still a sample.
@@ -59,11 +62,12 @@ def test_bad_samples_are_replaced_counted_and_identical_across_runs(tmp_path, jo
     )
     runs = []
     for _ in range(2):
-        paths = start_job(cfg)
+        job = serve(cfg)
+        paths = job.paths
         batches = read_epoch("job", batch_size=batch, with_meta=True, timeout=120)
         headers, pixels = [b.meta for b in batches], [b.arrays["image"] for b in batches]
         status = control.request(paths.endpoint, {"op": "status"})
-        assert cli("stop", "job").returncode == 0
+        job.stop()
         runs.append((headers, pixels, status))
         log_text = paths.log.read_text() if paths.log.exists() else ""
         assert log_text == ""  # stop removed the job directory, log included
@@ -77,12 +81,13 @@ def test_bad_samples_are_replaced_counted_and_identical_across_runs(tmp_path, jo
     print(f"\n[figure] {fraction:.1%} bad ({len(bad)} of {images}): all replaced, 50 batches, runs identical")
 
 
-def test_on_error_fail_stops_naming_the_file(tmp_path, job_root):
+def test_on_error_fail_stops_naming_the_file(tmp_path, serve):
     data = make_image_folder(tmp_path / "data", classes=2, per_class=8, size=(40, 60), seed=3)
     victim = sorted(data.rglob("*.jpg"))[0]
     victim.write_bytes(b"garbage")
     cfg = write_config(tmp_path, data, batch_size=16, size=16)
-    paths = start_job(cfg, "--on-error", "fail")
+    job = serve(cfg, {"on_error": "fail"})
+    paths = job.paths
     # A trainer that connects after the daemon stopped is told why, as one that waited is.
     wait_until(lambda: "ERROR stopped" in paths.log.read_text(), timeout_s=30, what="daemon stopped")
     with pytest.raises(DaemonDied, match=f"cannot read a sample: sample \\d+ \\(file {victim}\\): UnidentifiedImage"):
@@ -90,26 +95,27 @@ def test_on_error_fail_stops_naming_the_file(tmp_path, job_root):
     # The tmpfs is freed; the log that says why stays until `prefetchd stop` clears it.
     assert sorted(p.name for p in paths.dir.iterdir()) == ["daemon.lock", "daemon.log", "stopped.json"]
     assert str(victim) in paths.log.read_text()
-    assert cli("stop", "job").returncode == 0 and not paths.dir.exists()
+    job.wait_stopped(10)
+    clear_stopped(paths)
 
 
-def test_a_dataset_that_is_mostly_broken_stops_the_daemon(tmp_path, job_root):
+def test_a_dataset_that_is_mostly_broken_stops_the_daemon(tmp_path, serve):
     data = make_image_folder(tmp_path / "data", classes=1, per_class=80, size=(40, 60), seed=4)
     for p in sorted(data.rglob("*.jpg"))[:70]:
         p.write_bytes(b"")
     cfg = write_config(tmp_path, data, batch_size=64, size=16)
-    start_job(cfg)
+    serve(cfg)
     # Whether the trainer connects before the daemon stops or after, it is told why.
     with pytest.raises(DaemonDied, match="unreadable (samples in a row|and so were 10 replacements)"):
         next(iter(PrefetchLoader("job", as_tensors=False, timeout=30)))
 
 
-def test_decompression_bombs_are_bad_samples(tmp_path, job_root):
+def test_decompression_bombs_are_bad_samples(tmp_path, serve):
     data = make_image_folder(tmp_path / "data", classes=1, per_class=8, size=(40, 60), seed=5)
     bomb = sorted(data.rglob("*.jpg"))[2]
     Image.new("L", (12000, 12000)).save(bomb, "PNG")  # 144 Mpx > Pillow's 89 Mpx limit; ~140 KB on disk
     bomb.rename(bomb.with_suffix(".png"))
-    paths = start_job(write_config(tmp_path, data, batch_size=8, size=16))
+    paths = serve(write_config(tmp_path, data, batch_size=8, size=16)).paths
     loader = PrefetchLoader("job", as_tensors=False)
     next(iter(loader))
     meta = map_batch(paths.batch(0, 0, 0))[0]["meta"]
@@ -119,7 +125,7 @@ def test_decompression_bombs_are_bad_samples(tmp_path, job_root):
     assert json.dumps(meta)  # the header stays small JSON
 
 
-def test_many_bad_samples_with_long_paths_fit_the_header(tmp_path, job_root):
+def test_many_bad_samples_with_long_paths_fit_the_header(tmp_path, serve):
     """11 of 48 files spoilt, paths of ~500 characters, 2 batches of 24: one batch holds 6 or
     more, whose full records (path, error) outgrow the header area. The batch keeps its size
     and records every replacement in the short form; the paths are in the daemon's log."""
@@ -134,7 +140,7 @@ def test_many_bad_samples_with_long_paths_fit_the_header(tmp_path, job_root):
         '[job]\nname = "job"\nbatch_size = 24\n[daemon]\nbuffer = "8M"\n'
         '[[source]]\nkind = "file_list"\npath = "train.txt"\n[[transform]]\nop = "random_resized_crop"\nsize = 16\n'
     )
-    paths = start_job(cfg)
+    paths = serve(cfg).paths
     loader = PrefetchLoader("job", as_tensors=False, timeout=60)
     metas = []
     for epoch in range(2):
@@ -152,15 +158,24 @@ def test_many_bad_samples_with_long_paths_fit_the_header(tmp_path, job_root):
     assert all(path in log for path in bad)
 
 
-def stopped_job(config: Path, name: str = "job") -> tuple[str, JobPaths]:
-    """Start a job whose daemon stops on its own soon; its stop reason, as `start` printed it
-    (the daemon stopped during start-up) or as stopped.json has it (it stopped after)."""
-    result = cli("start", str(config))
+def stopped_job(serve, config: Path, name: str = "job") -> tuple[str, JobPaths]:
+    """Start a job whose master stops on its own soon; its stop reason, as the start raised it
+    (the master stopped during start-up) or as stopped.json has it (it stopped after)."""
     paths = JobPaths.of(name)
-    if result.returncode == 0:
-        wait_until(lambda: paths.stopped.exists(), timeout_s=30, what="the daemon stopped")
-        return json.loads(paths.stopped.read_text())["message"], paths
-    return result.stderr, paths
+    try:
+        job = serve(config)
+    except UserError as exc:
+        return str(exc), paths
+    job.wait_stopped(30)
+    return json.loads(paths.stopped.read_text())["message"], paths
+
+
+def clear_stopped(paths: JobPaths) -> None:
+    """What `prefetchd stop` does with a job whose master stopped on its own: it removes the
+    folder. Called in this process only once no process holds the job's lock (the master here
+    is this test's, and stop signals whoever holds it)."""
+    assert not daemon_alive(paths), "the master still holds the job"
+    assert stop_job(paths) == "not running; removed its stale directory" and not paths.dir.exists()
 
 
 def hf_parquet(path: Path, images: list[bytes | None]) -> Path:
@@ -173,12 +188,12 @@ def hf_parquet(path: Path, images: list[bytes | None]) -> Path:
     return path
 
 
-def test_a_parquet_file_of_unembedded_images_stops_with_the_readers_words_and_the_rows_place(tmp_path, job_root):
+def test_a_parquet_file_of_unembedded_images_stops_with_the_readers_words_and_the_rows_place(tmp_path, serve):
     """issue 24 finding 4: the daemon stopped with "is the data folder readable?"; what the reader
     said (a null image) was swallowed by the replacement loop, and nowhere to be read."""
     data = hf_parquet(tmp_path / "train.parquet", [None] * 40)
     config = write_config(tmp_path, tmp_path, batch_size=8, source=f'kind = "parquet"\npath = "{data}"')
-    message, paths = stopped_job(config)
+    message, paths = stopped_job(serve, config)
     cause = re.compile(rf"ValueError: {re.escape(str(data))}: null image in column 'image' \(row group 0, row \d+\)")
     place = re.compile(rf"sample \d+ \(Parquet file {re.escape(str(data))} row group 0 row \d+\)")
     assert cause.search(message) and place.search(message), message
@@ -193,15 +208,15 @@ def test_a_parquet_file_of_unembedded_images_stops_with_the_readers_words_and_th
     assert message.count("null image") <= 3, message
     assert len(message) < 2000
     print(f"\n[figure] 40 null images: stop message of {len(message)} chars: {message[:400]}")
-    assert cli("stop", "job").returncode == 0
+    clear_stopped(paths)
 
 
-def test_a_few_null_images_among_good_rows_are_recorded_each_with_its_cause(tmp_path, job_root):
+def test_a_few_null_images_among_good_rows_are_recorded_each_with_its_cause(tmp_path, serve):
     images = jpegs(24, seed=3)
     bad = {3, 10, 17}
     data = hf_parquet(tmp_path / "train.parquet", [None if i in bad else b for i, b in enumerate(images)])
     config = write_config(tmp_path, tmp_path, batch_size=4, source=f'kind = "parquet"\npath = "{data}"')
-    paths = start_job(config)
+    paths = serve(config).paths
     batches = read_epoch("job", with_meta=True, batch_size=4)
     replaced = {r["index"]: r for b in batches for r in b.meta["replaced"]}
     assert sorted(replaced) == sorted(bad)
@@ -213,15 +228,14 @@ def test_a_few_null_images_among_good_rows_are_recorded_each_with_its_cause(tmp_
     # The master logs a batch's bad samples when its worker reports it, which may be after a
     # trainer has read the published batch.
     wait_until(lambda: all(line in paths.log.read_text() for line in lines), what="each cause in daemon.log")
-    assert cli("stop", "job").returncode == 0
 
 
-def test_shards_labelled_by_json_without_label_key_stop_saying_so(tmp_path, job_root):
+def test_shards_labelled_by_json_without_label_key_stop_saying_so(tmp_path, serve):
     samples = [{"jpg": jpeg(i), "json": json.dumps({"label": i % 2}).encode()} for i in range(16)]
     shard = write_shard(tmp_path / "s.tar", samples)
     config = write_config(tmp_path, tmp_path, batch_size=4, source=f'kind = "webdataset"\nurls = "{shard}"')
-    message, paths = stopped_job(config)
+    message, paths = stopped_job(serve, config)
     assert re.search(rf"sample \d+ \(shard {re.escape(str(shard))} member \d+\.jpg\)", message), message
     assert "label_key" in message and ".json" in message, message
     assert "label_key" in paths.log.read_text()
-    assert cli("stop", "job").returncode == 0
+    clear_stopped(paths)

@@ -108,8 +108,8 @@ def test_weights_in_an_evaluation_job_are_a_config_error(tmp_path):
         load_config(path)
 
 
-def test_a_served_evaluation_reads_every_sample_once_and_every_epoch_alike(tmp_path, jpeg_folder, job_root):
-    start_job(eval_config(tmp_path, jpeg_folder))  # 48 samples, 2 ranks x 5: 5 steps, 2 padded rows
+def test_a_served_evaluation_reads_every_sample_once_and_every_epoch_alike(tmp_path, jpeg_folder, serve):
+    serve(eval_config(tmp_path, jpeg_folder))  # 48 samples, 2 ranks x 5: 5 steps, 2 padded rows
     epochs = [read_epoch("val", rank=r, world_size=2, epochs=2, batch_size=5) for r in range(2)]
     seen, padded = [], 0
     for rank in range(2):
@@ -190,7 +190,7 @@ def test_a_pipeline_callable_may_serve_an_evaluation(tmp_path):
     assert load_config(path).pipeline == "mypkg.eval:make_sample"
 
 
-def test_a_replaced_sample_is_not_counted_twice_in_an_evaluation(tmp_path, job_root):
+def test_a_replaced_sample_is_not_counted_twice_in_an_evaluation(tmp_path, serve):
     from tests.component.test_shards import good, write_shard
 
     samples = good(7)
@@ -202,7 +202,7 @@ def test_a_replaced_sample_is_not_counted_twice_in_an_evaluation(tmp_path, job_r
         .replace(f'kind = "image_folder"\nroot = "{tmp_path}"', f'kind = "webdataset"\nurls = "{shard}"')
         .replace("[daemon]", "[daemon]\nmax_bad_rate = 1.0")
     )
-    start_job(path)
+    serve(path)
     batches = read_epoch("val", world_size=1, with_meta=True)
     valid = [i for b in batches for i, ok in zip(b.arrays["index"].tolist(), b.arrays["valid"].tolist()) if ok]
     assert valid == [0, 1, 2, 4, 5, 6]  # sample 3's stand-in is counted where it stands itself

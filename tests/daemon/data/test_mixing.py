@@ -1,4 +1,5 @@
-"""Weighted mixing with a real daemon: header counts, realised proportions, exact coverage."""
+"""Weighted mixing served by a job's master (run in the test's process): header counts, realised
+proportions, exact coverage."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from prefetchd import control
 from prefetchd.cli.datagen import make_image_folder
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.batchfile import map_batch
-from tests.conftest import cli, start_job, wait_until
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -53,10 +54,10 @@ def small_folder(tmp_path_factory):
 
 
 def test_weighted_mix_records_sources_per_batch_and_status_shows_realised_shares(
-    tmp_path, jpeg_folder, small_folder, job_root
+    tmp_path, jpeg_folder, small_folder, serve
 ):
     # 48 + 12 samples, weights 3:1 (need not sum to 1), cycle: 64 samples an epoch, 8 batches
-    paths = start_job(mix_config(tmp_path, jpeg_folder, small_folder, (3, 1), "cycle"))
+    paths = serve(mix_config(tmp_path, jpeg_folder, small_folder, (3, 1), "cycle")).paths
     manifest = json.loads(paths.manifest.read_text())
     assert manifest["batches_per_epoch"] == 8
     loader = PrefetchLoader("mix", as_tensors=False)
@@ -84,25 +85,25 @@ def test_weighted_mix_records_sources_per_batch_and_status_shows_realised_shares
     assert abs(by_name["small"]["realised_share"] - 0.25) < 0.05
 
 
-def test_first_exhausted_and_all_once(tmp_path, jpeg_folder, small_folder, job_root):
-    start_job(mix_config(tmp_path, jpeg_folder, small_folder, (0.5, 0.5), "first_exhausted", name="fe"))
+def test_first_exhausted_and_all_once(tmp_path, jpeg_folder, small_folder, serve):
+    serve(mix_config(tmp_path, jpeg_folder, small_folder, (0.5, 0.5), "first_exhausted", name="fe"))
     ids = np.concatenate([b["index"] for b in PrefetchLoader("fe", as_tensors=False)])
     assert len(ids) == 24 and len(set(ids.tolist())) == 24  # 12 + 12, nothing repeats
     assert (ids >= 48).sum() == 12
-    start_job(mix_config(tmp_path, jpeg_folder, small_folder, (0.9, 0.1), "all_once", name="ao"))
+    serve(mix_config(tmp_path, jpeg_folder, small_folder, (0.9, 0.1), "all_once", name="ao"))
     ids = np.concatenate([b["index"] for b in PrefetchLoader("ao", as_tensors=False)])
     assert len(ids) == 56 and len(set(ids.tolist())) == 56 and ids.max() < 60  # 60 once; drop_last drops 4
 
 
-def test_a_weight_change_on_resume_is_accepted_and_applies_from_there(tmp_path, jpeg_folder, small_folder, job_root):
-    start_job(mix_config(tmp_path, jpeg_folder, small_folder, (3, 1), "cycle", name="w"))
+def test_a_weight_change_on_resume_is_accepted_and_applies_from_there(tmp_path, jpeg_folder, small_folder, serve):
+    job = serve(mix_config(tmp_path, jpeg_folder, small_folder, (3, 1), "cycle", name="w"))
     loader = PrefetchLoader("w", as_tensors=False)
     it = iter(loader)
     next(it), next(it)
     state = loader.state_dict()
     loader.close()
-    assert cli("stop", "w").returncode == 0
-    start_job(mix_config(tmp_path, jpeg_folder, small_folder, (1, 1), "cycle", name="w"))
+    job.stop()
+    serve(mix_config(tmp_path, jpeg_folder, small_folder, (1, 1), "cycle", name="w"))
     resumed = PrefetchLoader("w", as_tensors=False)
     resumed.load_state_dict(state)  # weights are not part of the content identity
     assert len(resumed) == 12  # 1:1 cycle: 48 + 48 samples

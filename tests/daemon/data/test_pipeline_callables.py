@@ -10,8 +10,9 @@ import time
 
 import pytest
 
+from prefetchd.errors import ExitCode, UserError
 from prefetchd_client import DaemonDied, PrefetchLoader
-from tests.conftest import cli, start_job, wait_until
+from tests.conftest import cli, wait_until
 from tests.daemon.lifecycle.test_worker_liveness import digests, pipeline_job
 from tests.helpers import job_status, read_epoch
 
@@ -33,15 +34,19 @@ def make(source, rng):
 
 
 def job_with(tmp_path, data, monkeypatch, body: str, name: str = "job"):
+    """The job's config; its module is found by a daemon `start` launches (PYTHONPATH) and by
+    the workers of a job served in this process, which take this process's sys.path when they
+    are forked (multiprocessing sends it with every process it starts)."""
+    monkeypatch.syspath_prepend(str(tmp_path))
     return pipeline_job(tmp_path, data, monkeypatch, f"pipe_{name}", PIPELINE.format(body=body), name=name)
 
 
 def test_a_sample_that_crashes_its_worker_every_time_stops_the_daemon_naming_the_batch(
-    tmp_path, jpeg_folder, job_root, monkeypatch
+    tmp_path, jpeg_folder, serve, monkeypatch
 ):
     # Below any restart rate: only the deaths of one batch can stop this loop.
     config = job_with(tmp_path, jpeg_folder, monkeypatch, "if i == 5: os.kill(os.getpid(), signal.SIGSEGV)")
-    start_job(config, "--max-worker-restarts", "1000")
+    serve(config, {"max_worker_restarts": 1000})
     started = time.monotonic()
     with pytest.raises(DaemonDied, match="died 5 times"):
         read_epoch("job", timeout=60)
@@ -49,7 +54,7 @@ def test_a_sample_that_crashes_its_worker_every_time_stops_the_daemon_naming_the
 
 
 def test_a_callable_that_forks_and_returns_in_both_processes_does_not_stop_the_daemon(
-    tmp_path, jpeg_folder, job_root, monkeypatch
+    tmp_path, jpeg_folder, serve, monkeypatch
 ):
     forked = tmp_path / "forked-pid"
     body = (
@@ -60,25 +65,25 @@ def test_a_callable_that_forks_and_returns_in_both_processes_does_not_stop_the_d
     # The child shares its worker's pipe; it may take tasks, or block forever on a lock the
     # fork copied held (the heartbeat's): then the worker's task stops moving, and the worker
     # is replaced after --worker-timeout.
-    paths = start_job(job_with(tmp_path, jpeg_folder, monkeypatch, body), "--worker-timeout", "3")
+    job = serve(job_with(tmp_path, jpeg_folder, monkeypatch, body), {"worker_timeout": 3})
     try:
         got = digests(read_epoch("job", epochs=2, timeout=60))
-        assert "internal error" not in paths.log.read_text()
-        assert cli("stop", "job").returncode == 0
+        assert "internal error" not in job.paths.log.read_text()
+        job.stop()
     finally:
         text = forked.read_text() if forked.exists() else ""
         if text.isdigit() and int(text) > 1:  # the callable's child: not the daemon's to stop
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int(text), signal.SIGKILL)
-    start_job(job_with(tmp_path, jpeg_folder, monkeypatch, "pass", name="ref"))
+    serve(job_with(tmp_path, jpeg_folder, monkeypatch, "pass", name="ref"))
     assert got == digests(read_epoch("ref", epochs=2, timeout=40))
 
 
 def test_a_key_left_out_by_a_later_sample_is_a_bad_sample_not_the_last_batchs_bytes(
-    tmp_path, jpeg_folder, job_root, monkeypatch
+    tmp_path, jpeg_folder, serve, monkeypatch
 ):
     body = "if i == 5:\n        return {'pixels': np.zeros(8, np.int16)}"
-    paths = start_job(job_with(tmp_path, jpeg_folder, monkeypatch, body))
+    paths = serve(job_with(tmp_path, jpeg_folder, monkeypatch, body)).paths
     loader = PrefetchLoader("job", as_tensors=False, verify=True, timeout=40)
     try:
         batches = [b for b in loader]
@@ -95,10 +100,10 @@ def test_a_key_left_out_by_a_later_sample_is_a_bad_sample_not_the_last_batchs_by
         assert "differs" not in result.stderr
 
 
-def test_a_slow_but_progressing_worker_is_not_killed(tmp_path, jpeg_folder, job_root, monkeypatch):
+def test_a_slow_but_progressing_worker_is_not_killed(tmp_path, jpeg_folder, serve, monkeypatch):
     # Each sample takes 80 % of --worker-timeout: progress is heard only once a heartbeat (1 s).
     config = job_with(tmp_path, jpeg_folder, monkeypatch, "if i < 12: time.sleep(1.6)")
-    paths = start_job(config, "--worker-timeout", "2", "--batch-size", "2")
+    paths = serve(config, {"worker_timeout": 2, "batch_size": 2}).paths
     loader = PrefetchLoader("job", as_tensors=False, timeout=60)
     try:
         it = iter(loader)
@@ -109,7 +114,7 @@ def test_a_slow_but_progressing_worker_is_not_killed(tmp_path, jpeg_folder, job_
     assert job_status(paths)["workers"]["restarts"] == 0, paths.log.read_text()
 
 
-def test_a_bad_first_sample_is_replaced_when_the_batch_shapes_are_learnt(tmp_path, jpeg_folder, job_root, monkeypatch):
+def test_a_bad_first_sample_is_replaced_when_the_batch_shapes_are_learnt(tmp_path, jpeg_folder, serve, monkeypatch):
     """issue 24 finding 9: the callable runs on sample 0 to learn the batch's shapes, and a bad
     sample 0 stopped `start` (exit 5, "a worker could not start: ValueError: ..."). Now it is
     replaced there as in a batch: the same draw, so every worker learns the same shapes, and the
@@ -118,11 +123,11 @@ def test_a_bad_first_sample_is_replaced_when_the_batch_shapes_are_learnt(tmp_pat
     runs = {}
     for workers in (1, 3):
         config = job_with(tmp_path, jpeg_folder, monkeypatch, bad, name=f"bad{workers}")
-        paths = start_job(config, "--workers", str(workers))
+        job = serve(config, {"workers": workers})
         runs[workers] = read_epoch(f"bad{workers}", epochs=2, with_meta=True, timeout=60)
-        assert cli("stop", f"bad{workers}").returncode == 0, paths
+        job.stop()
     assert digests(runs[1]) == digests(runs[3])
-    start_job(job_with(tmp_path, jpeg_folder, monkeypatch, "pass", name="good"))
+    serve(job_with(tmp_path, jpeg_folder, monkeypatch, "pass", name="good"))
     good = read_epoch("good", epochs=2, timeout=60)
     # Each sample's values are keyed by (seed, epoch, sample): a stand-in carries its own.
     made = {
@@ -141,37 +146,39 @@ def test_a_bad_first_sample_is_replaced_when_the_batch_shapes_are_learnt(tmp_pat
     ]
 
 
-def test_a_callable_that_fails_on_every_sample_stops_start_with_its_words(tmp_path, jpeg_folder, job_root, monkeypatch):
+def test_a_callable_that_fails_on_every_sample_stops_start_with_its_words(tmp_path, jpeg_folder, serve, monkeypatch):
+    # The same refusal through `prefetchd start`'s exit code and stderr: test_a_cause_with_newlines...
     config = job_with(tmp_path, jpeg_folder, monkeypatch, "raise ValueError(f'cannot decode sample {i}')")
-    result = cli("start", str(config))
-    assert result.returncode == 5, result.stderr
-    assert "ValueError: cannot decode sample 0" in result.stderr, result.stderr
-    assert "10 replacements" in result.stderr, result.stderr
+    with pytest.raises(UserError) as refused:
+        serve(config)
+    assert refused.value.exit_code == ExitCode.WORKER_BOOT == 5, refused.value
+    assert "ValueError: cannot decode sample 0" in str(refused.value), refused.value
+    assert "10 replacements" in str(refused.value), refused.value
 
 
 @pytest.mark.parametrize("raised", ["SystemExit(3)", "KeyboardInterrupt('stop')", "GeneratorExit('gen')"])
 def test_an_exit_raised_by_the_callable_is_a_bad_sample_with_its_words(
-    tmp_path, jpeg_folder, job_root, monkeypatch, raised
+    tmp_path, jpeg_folder, serve, monkeypatch, raised
 ):
     """Attack of issue 24 finding 4: these are no Exception, so `except Exception` let them end
     the worker; it died 5 times and the daemon stopped (exit 7) saying only "a [pipeline]
     callable that exits", never what it raised. The worker ignores SIGINT (the master decides),
     so a KeyboardInterrupt there is the callable's own."""
     name = "exit" + raised[0].lower()
-    start_job(job_with(tmp_path, jpeg_folder, monkeypatch, f"if i == 5: raise {raised}", name=name))
+    serve(job_with(tmp_path, jpeg_folder, monkeypatch, f"if i == 5: raise {raised}", name=name))
     records = [r for b in read_epoch(name, with_meta=True, timeout=60) for r in b.meta["replaced"]]
     kind = raised.partition("(")[0]
     assert [r["index"] for r in records] == [5], records
     assert f"pipe_{name}:make raised {kind}" in records[0]["error"], records
 
 
-def test_a_cause_with_newlines_and_escapes_travels_as_one_line(tmp_path, jpeg_folder, job_root, monkeypatch):
+def test_a_cause_with_newlines_and_escapes_travels_as_one_line(tmp_path, jpeg_folder, serve, monkeypatch):
     """Attack of issue 24 finding 4: a cause is one line wherever it goes. A newline in it forged
     a line of daemon.log, and in a stop it cut the message: the worker's error travels as its
     last line, so `start` said "a worker could not start: <the cause's last line>", without
     the sample or its place. Control characters and unpaired surrogates are shown escaped."""
     cause = r"raise ValueError(f'{i}\nforged line\x1b[2J\udcff')"
-    paths = start_job(job_with(tmp_path, jpeg_folder, monkeypatch, f"if i == 5: {cause}", name="oneline"))
+    paths = serve(job_with(tmp_path, jpeg_folder, monkeypatch, f"if i == 5: {cause}", name="oneline")).paths
     records = [r for b in read_epoch("oneline", with_meta=True, timeout=60) for r in b.meta["replaced"]]
     assert [r["error"] for r in records] == [r"ValueError: 5\nforged line\x1b[2J\xff"], records
 
@@ -180,6 +187,7 @@ def test_a_cause_with_newlines_and_escapes_travels_as_one_line(tmp_path, jpeg_fo
 
     lines = wait_until(logged, timeout_s=20, what="the bad sample's line in daemon.log")
     assert all("WARNING bad sample 5 (" in line for line in lines), lines  # none a line of its own
+    # Through the real command: the cause, one line, in what `prefetchd start` prints.
     result = cli("start", str(job_with(tmp_path, jpeg_folder, monkeypatch, cause, name="oneline_stop")))
     assert result.returncode == 5, result.stderr
     assert "sample 0 (file " in result.stderr, result.stderr
@@ -187,7 +195,7 @@ def test_a_cause_with_newlines_and_escapes_travels_as_one_line(tmp_path, jpeg_fo
 
 
 @pytest.mark.long  # ~30 s: a batch of 40,000 samples
-def test_a_batch_with_thousands_of_long_causes_is_reported_and_counted(tmp_path, jpeg_folder, job_root, monkeypatch):
+def test_a_batch_with_thousands_of_long_causes_is_reported_and_counted(tmp_path, jpeg_folder, serve, monkeypatch):
     """Attack of issue 24 finding 4: a worker reports every replaced sample with its place and
     cause, and the master refuses a report over 16 MiB. 10,000 bad samples in a batch of 40,000,
     each with 300 characters of a CJK cause (\\uXXXX in JSON: 6 bytes each), made a 19.1 MB
@@ -204,13 +212,14 @@ def test_a_batch_with_thousands_of_long_causes_is_reported_and_counted(tmp_path,
     )
     image = next(jpeg_folder.rglob("*.jpg"))
     (tmp_path / "train.txt").write_text(f"{image},0\n" * 40_000)
+    monkeypatch.syspath_prepend(str(tmp_path))  # for the workers of a job served in this process
     config = pipeline_job(tmp_path, jpeg_folder, monkeypatch, "pipe_long_causes", code, name="long")
     text = config.read_text().replace("batch_size = 4", "batch_size = 40000")
     text = text.replace(
         f'kind = "image_folder"\nroot = "{jpeg_folder}"', f'kind = "file_list"\npath = "{tmp_path}/train.txt"'
     )
     config.write_text(text)
-    paths = start_job(config, "--buffer", "1G", "--max-bad-rate", "0.5")
+    paths = serve(config, {"buffer": "1G", "max_bad_rate": 0.5}).paths
     assert len(read_epoch("long", timeout=60)) == 1
     totals = wait_until(lambda: (t := job_status(paths)["totals"])["produced"] and t, timeout_s=30, what="a report")
     assert totals["bad_samples"] == 10_000 and totals["worker_restarts"] == 0, totals
@@ -219,7 +228,7 @@ def test_a_batch_with_thousands_of_long_causes_is_reported_and_counted(tmp_path,
     assert "ValueError: 1 " + chr(0x5B57 + 1) * 10 in log or "ValueError: 5 " in log  # the first causes, logged
 
 
-def test_an_exception_whose_text_exits_is_still_a_bad_sample(tmp_path, jpeg_folder, job_root, monkeypatch):
+def test_an_exception_whose_text_exits_is_still_a_bad_sample(tmp_path, jpeg_folder, serve, monkeypatch):
     """Attack of issue 24 finding 4: the cause is made with str(exc); an exception whose __str__
     raises SystemExit ended the worker there, 5 times, and the daemon stopped (exit 7)."""
     body = (
@@ -229,6 +238,6 @@ def test_an_exception_whose_text_exits_is_still_a_bad_sample(tmp_path, jpeg_fold
         "                raise SystemExit('no text')\n"
         "        raise Mute()"
     )
-    start_job(job_with(tmp_path, jpeg_folder, monkeypatch, body, name="mute"))
+    serve(job_with(tmp_path, jpeg_folder, monkeypatch, body, name="mute"))
     records = [r for b in read_epoch("mute", with_meta=True, timeout=60) for r in b.meta["replaced"]]
     assert [(r["index"], r["error"]) for r in records] == [(5, "Mute: (its text could not be made)")], records

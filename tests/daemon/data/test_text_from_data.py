@@ -4,8 +4,8 @@ say (finding 12).
 
 A corrupt JPEG named ``ESC ] 0 ; PWNED BEL ESC [ 2 J`` ... retitled the window and cleared the
 screen through ``prefetchd status`` and the client's DaemonDied; ``status --watch`` under
-COLUMNS=0 printed nothing. Real daemons, the real CLI in a subprocess (a pty for ``--watch``),
-the real client."""
+COLUMNS=0 printed nothing. Jobs served by a master in the test's process, the real CLI in a
+subprocess (a pty for ``--watch``), the real client."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ from prefetchd.cli import statusview
 from prefetchd.cli.datagen import make_image_folder
 from prefetchd_client import DaemonDied, PrefetchLoader
 from prefetchd_client.text import printable
-from tests.conftest import cli, start_job, wait_until, write_config
+from tests.conftest import wait_until, write_config
+from tests.daemon.data.test_bad_samples import clear_stopped
 from tests.helpers import job_status
 
 pytestmark = pytest.mark.timeout(120)
@@ -50,19 +51,20 @@ def _assert_inert(output: bytes, where: str) -> str:
 
 
 @pytest.fixture
-def evil_job(tmp_path, job_root):
+def evil_job(tmp_path, serve):
     """A job whose data folder holds a corrupt JPEG named EVIL_NAME; under --on-error fail the
-    daemon stops naming it (stopped.json keeps its words)."""
+    master stops naming it (stopped.json keeps its words)."""
     data = make_image_folder(tmp_path / "data", classes=2, per_class=8, size=(40, 60), seed=3)
     victim = sorted(data.rglob("*.jpg"))[0]
     evil = os.path.join(os.fsencode(victim.parent), EVIL_NAME)
     os.rename(victim, evil)
     with open(evil, "wb") as f:
         f.write(b"not a JPEG")
-    paths = start_job(write_config(tmp_path, data, batch_size=16, size=16), "--on-error", "fail")
-    wait_until(lambda: paths.stopped.exists(), timeout_s=30, what="the daemon to stop on the corrupt file")
-    yield paths, os.fsdecode(evil)
-    assert cli("stop", "job").returncode == 0
+    job = serve(write_config(tmp_path, data, batch_size=16, size=16), {"on_error": "fail"})
+    job.wait_stopped(30)  # on the corrupt file
+    assert job.paths.stopped.exists()
+    yield job.paths, os.fsdecode(evil)
+    clear_stopped(job.paths)
 
 
 def _prefetchd(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -101,11 +103,11 @@ def test_the_clis_errors_show_a_data_path_escaped(tmp_path, job_root, jpeg_folde
     assert not any(job_root.iterdir())
 
 
-def test_a_status_reply_whose_every_string_is_hostile_renders_inert(tmp_path, job_root, jpeg_folder):
+def test_a_status_reply_whose_every_string_is_hostile_renders_inert(tmp_path, serve, jpeg_folder):
     """Every string of a real serving job's reply (and every key) replaced by one with escapes
     and rich markup, as a peer answering on the job's socket could send: the plain and the live
     view show them escaped and literal. A reply nested deeper than any of ours is one line."""
-    paths = start_job(write_config(tmp_path, jpeg_folder, batch_size=4))
+    paths = serve(write_config(tmp_path, jpeg_folder, batch_size=4)).paths
     hostile = os.fsdecode(EVIL_NAME)
 
     def poison(value):
@@ -168,11 +170,11 @@ def _watch_in_a_pty(env: dict, marker: bytes, timeout_s: float = 15.0) -> tuple[
 ODD_SIZES = ("0", "-3", "²", "99999999999", "abc")  # zero, negative, a digit int() refuses, huge, no number
 
 
-def _status_rows_under(sizes: tuple[str, ...], watch: tuple[str, ...], tmp_path, jpeg_folder) -> None:
+def _status_rows_under(sizes: tuple[str, ...], watch: tuple[str, ...], tmp_path, jpeg_folder, serve) -> None:
     """`prefetchd status` under each of ``sizes`` as COLUMNS and LINES (at once), and `--watch`
     under each of ``watch``, show rank 0's row: "never" is its trainer and its last report (no
     trainer reads this job)."""
-    paths = start_job(write_config(tmp_path, jpeg_folder, batch_size=4))
+    paths = serve(write_config(tmp_path, jpeg_folder, batch_size=4)).paths
     wait_until(lambda: job_status(paths)["ranks"][0]["ready"] >= 1, 30, what="a batch ready")
     shown = {
         size: subprocess.Popen(
@@ -195,13 +197,13 @@ def _status_rows_under(sizes: tuple[str, ...], watch: tuple[str, ...], tmp_path,
         print(f"[figure] --watch under COLUMNS=LINES={size}: rank rows after {time.monotonic() - started:.1f} s")
 
 
-def test_status_shows_its_rows_whatever_columns_and_lines_say(tmp_path, job_root, jpeg_folder):
-    _status_rows_under(ODD_SIZES, ("0",), tmp_path, jpeg_folder)
+def test_status_shows_its_rows_whatever_columns_and_lines_say(tmp_path, serve, jpeg_folder):
+    _status_rows_under(ODD_SIZES, ("0",), tmp_path, jpeg_folder, serve)
 
 
 @pytest.mark.long
-def test_status_watch_shows_its_rows_under_every_odd_columns_and_lines(tmp_path, job_root, jpeg_folder):
-    _status_rows_under((), ODD_SIZES, tmp_path, jpeg_folder)
+def test_status_watch_shows_its_rows_under_every_odd_columns_and_lines(tmp_path, serve, jpeg_folder):
+    _status_rows_under((), ODD_SIZES, tmp_path, jpeg_folder, serve)
 
 
 _ACTING = {*map(chr, range(0x20)), *map(chr, range(0x7F, 0xA0)), "\u061c", "\u200e", "\u200f", "\u2028", "\u2029"}

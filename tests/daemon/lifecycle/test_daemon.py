@@ -41,11 +41,11 @@ def batch_files(paths) -> list[tuple[int, int, int]]:
     return sorted(filter(None, map(parse_batch_name, os.listdir(paths.batch_dir))))
 
 
-def test_two_ranks_read_two_epochs_disjoint_and_within_the_bound(tmp_path, jpeg_folder, job_root):
+def test_two_ranks_read_two_epochs_disjoint_and_within_the_bound(tmp_path, jpeg_folder, serve):
     # 48 images, 2 ranks x 4 = 6 steps per epoch; a batch of 4x32x32x3 is ~16 KiB: the
     # 64 KiB... bound below holds 3 batches per rank, so the daemon must delete to go on.
     cfg = write_config(tmp_path, jpeg_folder, world_size=2, batch_size=4, buffer="120K", workers=1)
-    paths = start_job(cfg)
+    paths = serve(cfg).paths
     manifest = read_manifest(paths)
     bound, batch_bytes = manifest["buffer_bytes"], manifest["batch_bytes"]
     assert bound // batch_bytes < 2 * manifest["batches_per_epoch"], "the bound must force deletion"
@@ -88,10 +88,10 @@ def test_two_ranks_read_two_epochs_disjoint_and_within_the_bound(tmp_path, jpeg_
     assert [(r["epoch"], r["step"]) for r in job_status(paths)["ranks"]] == [(2, 0), (2, 0)]
 
 
-def test_progress_file_trainer_gets_deletion_and_refill(tmp_path, jpeg_folder, job_root):
+def test_progress_file_trainer_gets_deletion_and_refill(tmp_path, jpeg_folder, serve):
     """A trainer in any language: it reads files by name and writes progress/rank-0 only."""
     cfg = write_config(tmp_path, jpeg_folder, batch_size=4, buffer="100K")
-    paths = start_job(cfg)
+    paths = serve(cfg).paths
     manifest = read_manifest(paths)
     window, retain, per_epoch = manifest["window_per_rank"], manifest["retain"], manifest["batches_per_epoch"]
     assert window + retain < per_epoch
@@ -110,22 +110,22 @@ def test_progress_file_trainer_gets_deletion_and_refill(tmp_path, jpeg_folder, j
     assert job_status(paths)["ranks"][0]["epoch"] == 1
 
 
-def test_batches_are_identical_for_any_worker_count(tmp_path, jpeg_folder, job_root):
+def test_batches_are_identical_for_any_worker_count(tmp_path, jpeg_folder, serve):
     images = {}
     for workers in (1, 2):
         cfg = write_config(tmp_path, jpeg_folder, name=f"w{workers}", batch_size=6, workers=workers, seed=11)
-        start_job(cfg)
+        job = serve(cfg)
         loader = PrefetchLoader(f"w{workers}", as_tensors=False, timeout=60)
         images[workers] = [b["image"].copy() for b in loader]
         loader.close()
-        assert cli("stop", f"w{workers}").returncode == 0
+        job.stop()
     assert len(images[1]) == 8
     assert all(np.array_equal(a, b) for a, b in zip(images[1], images[2], strict=True))
     assert not np.array_equal(images[1][0], images[1][1])
 
 
-def test_state_dict_resumes_at_the_exact_batch(tmp_path, jpeg_folder, job_root):
-    start_job(write_config(tmp_path, jpeg_folder, batch_size=4))
+def test_state_dict_resumes_at_the_exact_batch(tmp_path, jpeg_folder, serve):
+    serve(write_config(tmp_path, jpeg_folder, batch_size=4))
     loader = PrefetchLoader("job", as_tensors=False)
     assert len(loader) == 12
     reference = [b["index"].tolist() for b in loader] + [b["index"].tolist() for b in loader]
@@ -145,9 +145,9 @@ def test_state_dict_resumes_at_the_exact_batch(tmp_path, jpeg_folder, job_root):
         resumed.load_state_dict(other)
 
 
-def test_tensors_when_torch_is_present(tmp_path, jpeg_folder, job_root):
+def test_tensors_when_torch_is_present(tmp_path, jpeg_folder, serve):
     torch = pytest.importorskip("torch")
-    start_job(write_config(tmp_path, jpeg_folder, batch_size=4, size=24))
+    serve(write_config(tmp_path, jpeg_folder, batch_size=4, size=24))
     batch = next(iter(PrefetchLoader("job")))
     assert batch["image"].dtype == torch.uint8 and batch["image"].shape == (4, 24, 24, 3)
     assert batch["label"].dtype == torch.int64 and batch["index"].dtype == torch.int64
@@ -198,8 +198,8 @@ def test_client_for_a_job_that_is_not_running(job_root):
     assert time.monotonic() - started < 3
 
 
-def test_client_with_the_wrong_world_size_or_rank(tmp_path, jpeg_folder, job_root, monkeypatch):
-    start_job(write_config(tmp_path, jpeg_folder, world_size=2))
+def test_client_with_the_wrong_world_size_or_rank(tmp_path, jpeg_folder, serve, monkeypatch):
+    serve(write_config(tmp_path, jpeg_folder, world_size=2))
     with pytest.raises(PlanMismatch, match="world size 3, .* world_size = 2"):
         PrefetchLoader("job", rank=0, world_size=3)
     with pytest.raises(PlanMismatch, match="rank 2 is outside"):
@@ -309,8 +309,8 @@ def test_stop_kills_a_daemon_that_does_not_answer(tmp_path, jpeg_folder, job_roo
     assert not paths.dir.exists()
 
 
-def test_verify_regenerates_a_published_batch_bit_for_bit(tmp_path, jpeg_folder, job_root):
-    paths = start_job(write_config(tmp_path, jpeg_folder, workers=2, seed=21))
+def test_verify_regenerates_a_published_batch_bit_for_bit(tmp_path, jpeg_folder, serve):
+    paths = serve(write_config(tmp_path, jpeg_folder, workers=2, seed=21)).paths
     wait_until(lambda: paths.batch(0, 3, 0).exists(), what="batch e0 s3 published")
     result = cli("verify", "job", "--epoch", "0", "--step", "3")
     assert result.returncode == 0, result.stderr
@@ -329,8 +329,8 @@ def test_verify_regenerates_a_published_batch_bit_for_bit(tmp_path, jpeg_folder,
 
 
 @pytest.mark.parametrize("policy", ["keep", "release"])
-def test_a_gone_trainer_is_told_from_a_paused_one(tmp_path, jpeg_folder, job_root, policy):
-    paths = start_job(write_config(tmp_path, jpeg_folder, buffer="200K"), "--on-trainer-exit", policy)
+def test_a_gone_trainer_is_told_from_a_paused_one(tmp_path, jpeg_folder, serve, policy):
+    paths = serve(write_config(tmp_path, jpeg_folder, buffer="200K"), {"on_trainer_exit": policy}).paths
     window = read_manifest(paths)["window_per_rank"]
     paused = PrefetchLoader("job", as_tensors=False)  # alive, reads nothing: a long evaluation
     wait_until(lambda: job_status(paths)["ranks"][0]["trainer"] == "alive", what="trainer seen alive")
@@ -347,16 +347,16 @@ def test_a_gone_trainer_is_told_from_a_paused_one(tmp_path, jpeg_folder, job_roo
     back.close()
 
 
-def test_the_fast_decoders_are_deterministic_and_hashed_apart_from_pillow(tmp_path, jpeg_folder, job_root):
+def test_the_fast_decoders_are_deterministic_and_hashed_apart_from_pillow(tmp_path, jpeg_folder, serve):
     config = write_config(tmp_path, jpeg_folder, seed=5)
     streams, hashes = {}, {}
     for name, decoder in [("fast1", "turbojpeg"), ("fast2", "turbojpeg"), ("whole", "simplejpeg"), ("pil", "pillow")]:
-        paths = start_job(config, "--name", name, "--decoder", decoder)
-        hashes[name] = read_manifest(paths)["config_hash"]
+        job = serve(config, {"name": name, "decoder": decoder})
+        hashes[name] = read_manifest(job.paths)["config_hash"]
         loader = PrefetchLoader(name, as_tensors=False, verify=True)
         streams[name] = [b["image"].copy() for b in loader]
         loader.close()
-        assert cli("stop", name).returncode == 0
+        job.stop()
     assert len(streams["fast1"]) == 12
     assert all(np.array_equal(a, b) for a, b in zip(streams["fast1"], streams["fast2"]))
     assert not all(np.array_equal(a, b) for a, b in zip(streams["fast1"], streams["pil"]))
@@ -366,13 +366,13 @@ def test_the_fast_decoders_are_deterministic_and_hashed_apart_from_pillow(tmp_pa
     assert bad.returncode == 2 and "--decoder must be one of auto, pillow, simplejpeg, turbojpeg" in bad.stderr
 
 
-def test_verify_mode_refuses_a_batch_whose_bytes_were_changed(tmp_path, jpeg_folder, job_root):
+def test_verify_mode_refuses_a_batch_whose_bytes_were_changed(tmp_path, jpeg_folder, serve):
     """The client's test mode recomputes the CRC-32 the worker recorded: one flipped bit in a
     published batch is a BatchFormatError naming the file, not a silently wrong step."""
     from prefetchd_client import BatchFormatError
     from prefetchd_client.batchfile import map_batch
 
-    paths = start_job(write_config(tmp_path, jpeg_folder))
+    paths = serve(write_config(tmp_path, jpeg_folder)).paths
     first = paths.batch(0, 0, 0)
     wait_until(first.exists, what="first batch published")
     offset = map_batch(first, pin=False)[0]["fields"][0]["offset"]
@@ -386,7 +386,6 @@ def test_verify_mode_refuses_a_batch_whose_bytes_were_changed(tmp_path, jpeg_fol
     with pytest.raises(BatchFormatError, match=f"{first.name}.*CRC-32"):
         next(iter(loader))
     loader.close()
-    assert cli("stop", "job").returncode == 0
 
 
 def test_workers_run_below_the_trainer(tmp_path, jpeg_folder, job_root):

@@ -29,7 +29,7 @@ from prefetchd_client import DaemonDied, PrefetchLoader
 from prefetchd_client.layout import JobPaths
 from prefetchd_client.locks import daemon_alive
 from prefetchd_client.manifest import read_stopped
-from tests.conftest import cli, start_job, wait_until, write_config
+from tests.conftest import cli, write_config
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -170,20 +170,23 @@ def assert_status_says_stopped(job: str, code: ExitCode, phrase: str) -> None:
     assert report["state"] == "stopped" and report["exit_code"] == code and phrase in report["error"]
 
 
-def test_a_daemon_stopped_by_a_bad_sample_leaves_why_for_the_client_status_and_a_restart(tmp_path, job_root):
+def test_a_daemon_stopped_by_a_bad_sample_leaves_why_for_the_client_status_and_a_restart(tmp_path, serve):
     data, victim = data_with_a_corrupt_jpeg(tmp_path)
     config = write_config(tmp_path, data, batch_size=17, size=16)
-    paths = start_job(config, "--on-error", "fail")  # it serves, then its first batch reads x.jpg
-    wait_until(lambda: not daemon_alive(paths), timeout_s=60, what="the daemon stopped on the bad sample")
+    failing = serve(config, {"on_error": "fail"})  # it serves, then its first batch reads x.jpg
+    paths = failing.paths
+    failing.wait_stopped(60)
+    assert failing.exit_code == ExitCode.SAMPLE_ERROR and not daemon_alive(paths)
     assert_left_stopped_json(paths, ExitCode.SAMPLE_ERROR, "cannot read a sample", str(victim))
     with pytest.raises(DaemonDied, match=f"cannot read a sample: .*{victim}.*; exit code 6\\)"):
         next(iter(PrefetchLoader("job", as_tensors=False, timeout=30)))
     assert_status_says_stopped("job", ExitCode.SAMPLE_ERROR, "cannot read a sample")
     # A new start of the job (bad samples replaced now) serves, and what it says is true again.
-    start_job(config)
+    job = serve(config)
     assert not paths.stopped.exists(), "a restart kept the stale stopped.json"
     assert json.loads(cli("status", "job", "--json").stdout)["state"] == "serving"
-    assert cli("stop", "job").returncode == 0 and not paths.dir.exists()
+    job.stop()
+    assert not paths.dir.exists()
 
 
 def test_start_foreground_exits_with_the_daemons_own_code_after_serving(tmp_path, job_root):
@@ -202,10 +205,13 @@ BOOM = "raise RuntimeError('this pipeline module fails at import')\n"
 
 
 @pytest.mark.parametrize("foreground", [False, True], ids=["detached", "foreground"])
-def test_a_start_that_fails_in_a_folder_that_stays_leaves_why(tmp_path, jpeg_folder, job_root, monkeypatch, foreground):
+def test_a_start_that_fails_in_a_folder_that_stays_leaves_why(tmp_path, jpeg_folder, serve, monkeypatch, foreground):
+    # The failing start is the command's (its exit code, its words; PYTHONPATH reaches its
+    # workers); the good starts around it are in this process.
     config = write_config(tmp_path, jpeg_folder)
-    paths = start_job(config)
-    assert cli("stop", "job", "--keep").returncode == 0  # the folder stays, as a killed daemon's does
+    job = serve(config)
+    paths = job.paths
+    job.stop(keep=True)  # the folder stays, as a killed daemon's does
     (tmp_path / "boom_at_import.py").write_text(BOOM)
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     broken = tmp_path / "broken.toml"
@@ -230,13 +236,15 @@ def test_a_start_that_fails_in_a_folder_that_stays_leaves_why(tmp_path, jpeg_fol
     with pytest.raises(DaemonDied, match="a worker could not start.*; exit code 5\\)"):
         PrefetchLoader("job", as_tensors=False, timeout=30)
     assert_status_says_stopped("job", ExitCode.WORKER_BOOT, "a worker could not start")
-    start_job(config)
+    job = serve(config)
     assert not paths.stopped.exists(), "a restart kept the stale stopped.json"
-    assert cli("stop", "job").returncode == 0 and not paths.dir.exists()
+    job.stop()
+    assert not paths.dir.exists()
 
 
-def test_a_requested_stop_leaves_no_stopped_json(tmp_path, jpeg_folder, job_root):
-    paths = start_job(write_config(tmp_path, jpeg_folder))
-    assert cli("stop", "job", "--keep").returncode == 0
+def test_a_requested_stop_leaves_no_stopped_json(tmp_path, jpeg_folder, serve):
+    job = serve(write_config(tmp_path, jpeg_folder))
+    job.stop(keep=True)  # what `prefetchd stop --keep` asks of the loop
+    paths = job.paths
     assert paths.dir.exists() and not paths.stopped.exists()
     assert json.loads(cli("status", "job", "--json").stdout)["state"] == "not running"

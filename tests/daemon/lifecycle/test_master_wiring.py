@@ -9,7 +9,7 @@ import time
 import pytest
 
 from prefetchd_client.manifest import read_manifest
-from tests.conftest import cli, start_job, write_config
+from tests.conftest import write_config
 from tests.daemon.lifecycle.test_worker_liveness import pipeline_job
 from tests.helpers import job_status, read_epoch
 
@@ -40,23 +40,25 @@ _LOG_TIME = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}) INFO starting
     "message", [b'{"op": "stop"}', b'{"op": "produce", "epoch": 0, "step": 0, "rank": 0}'], ids=["stop", "produce"]
 )
 def test_a_worker_that_sends_a_masters_message_does_not_stop_the_daemon(
-    tmp_path, jpeg_folder, job_root, monkeypatch, message
+    tmp_path, jpeg_folder, serve, monkeypatch, message
 ):
     # Main before the split ignored an op a worker never sends; the split read .task off it
     # and stopped the daemon with an internal error (exit 70).
     code = PIPELINE.format(marker=str(tmp_path / "sent"), message=message)
-    paths = start_job(pipeline_job(tmp_path, jpeg_folder, monkeypatch, "pipe_master_op", code))
+    job = serve(pipeline_job(tmp_path, jpeg_folder, monkeypatch, "pipe_master_op", code))
+    paths = job.paths
     batches = read_epoch("job", timeout=60)
     assert (tmp_path / "sent").exists(), "the callable never sent its message: the test proves nothing"
     assert len(batches) == read_manifest(paths)["batches_per_epoch"]
     assert "internal error" not in paths.log.read_text()
-    assert cli("stop", "job").returncode == 0
+    assert job.exit_code is None  # still serving
 
 
-def test_uptime_and_started_at_count_from_the_start_not_from_serving(tmp_path, jpeg_folder, job_root):
+def test_uptime_and_started_at_count_from_the_start_not_from_serving(tmp_path, jpeg_folder, serve):
     # Main before the split took started_at when the master was made, before the lock, the
     # index and the workers' boot; the split took it once the job served.
-    paths = start_job(write_config(tmp_path, jpeg_folder))
+    job = serve(write_config(tmp_path, jpeg_folder))
+    paths = job.paths
     found = _LOG_TIME.search(paths.log.read_text())
     assert found, "no 'starting job' line in the log"
     logged = time.mktime(time.strptime(found[1], "%Y-%m-%d %H:%M:%S")) + int(found[2]) / 1000
@@ -64,4 +66,5 @@ def test_uptime_and_started_at_count_from_the_start_not_from_serving(tmp_path, j
     assert started_at <= logged + 0.002, f"started_at is {started_at - logged:.3f} s after the 'starting job' line"
     uptime = job_status(paths)["uptime_s"]
     assert uptime + 0.1 >= time.time() - logged - 0.002, f"uptime {uptime} s is shorter than the time since the start"
-    assert cli("stop", "job").returncode == 0
+    job.stop()  # a clean stop: nothing in the loop's turns failed
+    assert job.exit_code == 0

@@ -165,18 +165,18 @@ def test_the_daemon_reports_a_config_it_cannot_read_instead_of_dying_silently(jo
 # -- item 8: set_epoch after load_state_dict does not replay a finished epoch ----------------
 
 
-def test_set_epoch_of_the_epoch_a_loaded_state_finished_does_not_replay_it(tmp_path, jpeg_folder, job_root):
+def test_set_epoch_of_the_epoch_a_loaded_state_finished_does_not_replay_it(tmp_path, jpeg_folder, serve):
     """The issue's elastic case: 40 of 48 samples consumed with batch 8; with batch 20 an epoch
     is 2 steps (40 samples), so the state has finished epoch 0. In Lightning's order (load the
     state, iter(), sampler.set_epoch(0), next()) epoch 0 must not come again."""
-    start_job(write_config(tmp_path, jpeg_folder, name="el", batch_size=8, seed=5))
+    job = serve(write_config(tmp_path, jpeg_folder, name="el", batch_size=8, seed=5))
     before = PrefetchLoader("el", as_tensors=False, timeout=60)
     consumed = [batch["index"].tolist() for _, batch in zip(range(5), before)]
     state = before.state_dict()
     before.close()
     assert (state["epoch"], state["samples_consumed"]) == (0, 40)
-    assert cli("stop", "el").returncode == 0
-    start_job(write_config(tmp_path, jpeg_folder, name="el", batch_size=20, seed=5))
+    job.stop()
+    serve(write_config(tmp_path, jpeg_folder, name="el", batch_size=20, seed=5))
 
     resumed = PrefetchLoader("el", as_tensors=False, timeout=60)
     resumed.load_state_dict(json.loads(json.dumps(state)))
@@ -191,13 +191,11 @@ def test_set_epoch_of_the_epoch_a_loaded_state_finished_does_not_replay_it(tmp_p
     assert len(sum(consumed, [])) == 40
 
 
-def test_a_loop_resuming_an_end_of_epoch_state_in_the_epoch_it_finished_replays_nothing(
-    tmp_path, jpeg_folder, job_root
-):
+def test_a_loop_resuming_an_end_of_epoch_state_in_the_epoch_it_finished_replays_nothing(tmp_path, jpeg_folder, serve):
     """A state taken right after epoch 0 reads (1, 0); a loop whose own counter still says epoch
     0 sets it and iterates: it gets nothing, then all of epoch 1. Mid-epoch, set_epoch of the
     current epoch still keeps the step."""
-    start_job(write_config(tmp_path, jpeg_folder, name="eoe", batch_size=8, seed=6))
+    serve(write_config(tmp_path, jpeg_folder, name="eoe", batch_size=8, seed=6))
     first = PrefetchLoader("eoe", as_tensors=False, timeout=60)
     epoch_0 = [batch["index"].tolist() for batch in first]
     state = first.state_dict()

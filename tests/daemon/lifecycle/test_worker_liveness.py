@@ -19,10 +19,11 @@ import numpy as np
 import psutil
 import pytest
 
+from prefetchd.errors import ExitCode
 from prefetchd_client import DaemonDied, PrefetchLoader
 from prefetchd_client.locks import daemon_alive
 from prefetchd_client.manifest import read_manifest
-from tests.conftest import cli, start_job, wait_until, write_config
+from tests.conftest import wait_until, write_config
 from tests.daemon.resume.test_resume import digest
 from tests.helpers import ReadBatch, job_status, read_epoch, workers_of
 
@@ -83,9 +84,12 @@ def make(source, rng):
 
 def pipeline_job(tmp_path, data, monkeypatch, module: str, code: str, name: str = "job"):
     """A job config whose samples come from ``module:make``, written into tmp_path, where the
-    daemon (and so its workers) import it from: PYTHONPATH reaches them through `start`."""
+    workers import it from: a daemon's through PYTHONPATH, which reaches it through `start`; an
+    in-process master's through this process's sys.path, which multiprocessing hands each worker
+    it forks (the worker server's own environment was fixed when it first started)."""
     (tmp_path / f"{module}.py").write_text(textwrap.dedent(code))
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.syspath_prepend(str(tmp_path))
     config = tmp_path / f"{name}.toml"
     config.write_text(
         f'[job]\nname = "{name}"\nbatch_size = 4\n[daemon]\nworkers = 1\n'
@@ -165,11 +169,12 @@ def files_of_pids(paths, pids) -> list[str]:
     ids=["releasing-the-gil", "holding-the-gil"],
 )
 def test_a_worker_blocked_on_a_sample_is_killed_and_its_batch_reissued_to_the_trainer(
-    tmp_path, jpeg_folder, job_root, monkeypatch, block, killed_as
+    tmp_path, jpeg_folder, serve, monkeypatch, block, killed_as
 ):
     code = HANGING_PIPELINE.format(sample=HANG_SAMPLE, always=False, block=block)
     config = pipeline_job(tmp_path, jpeg_folder, monkeypatch, "hangs_once", code)
-    paths = start_job(config, "--worker-timeout", str(WORKER_TIMEOUT_S))
+    job = serve(config, {"worker_timeout": float(WORKER_TIMEOUT_S)})
+    paths = job.paths
     started = time.monotonic()
     got = digests(read_epoch("job", timeout=40))
     took = time.monotonic() - started
@@ -177,19 +182,20 @@ def test_a_worker_blocked_on_a_sample_is_killed_and_its_batch_reissued_to_the_tr
     log = paths.log.read_text()
     assert all(words in log for words in killed_as), log
     assert job_status(paths)["workers"]["restarts"] == 1
-    assert cli("stop", "job").returncode == 0
+    job.stop()
     # The same job with nothing blocking (the marker exists now): the trainer got every batch, equal.
-    start_job(pipeline_job(tmp_path, jpeg_folder, monkeypatch, "hangs_once", code, name="ref"))
+    serve(pipeline_job(tmp_path, jpeg_folder, monkeypatch, "hangs_once", code, name="ref"))
     assert got == digests(read_epoch("ref", timeout=40))
     print(f"\n[figure] a sample blocked ({block}), --worker-timeout {WORKER_TIMEOUT_S}: epoch read in {took:.1f} s")
 
 
 def test_a_sample_that_blocks_every_time_stops_the_daemon_with_a_message_naming_the_batch(
-    tmp_path, jpeg_folder, job_root, monkeypatch
+    tmp_path, jpeg_folder, serve, monkeypatch
 ):
     code = HANGING_PIPELINE.format(sample=HANG_SAMPLE, always=True, block=RELEASES_THE_GIL)
     config = pipeline_job(tmp_path, jpeg_folder, monkeypatch, "hangs_always", code)
-    paths = start_job(config, "--worker-timeout", str(WORKER_TIMEOUT_S))
+    job = serve(config, {"worker_timeout": float(WORKER_TIMEOUT_S)})
+    paths = job.paths
     started = time.monotonic()
     with pytest.raises(DaemonDied) as stopped:
         read_epoch("job", timeout=50)  # the trainer must hear why, long before its own timeout
@@ -198,19 +204,17 @@ def test_a_sample_that_blocks_every_time_stops_the_daemon_with_a_message_naming_
     assert f"made no progress within --worker-timeout {WORKER_TIMEOUT_S} s, 3 times" in message
     assert f"(last seen at sample {HANG_SAMPLE}, {jpeg_folder}" in message and "raise --worker-timeout" in message
     assert took < 40
-    wait_until(lambda: not daemon_alive(paths), what="the daemon gone")
+    stop = job.wait_stopped(10)  # the master stopped itself, for the reason the trainer heard
+    assert stop.exit_code == ExitCode.TASK_ERROR and str(stop) in message
+    assert not daemon_alive(paths)
     assert sorted(p.name for p in paths.dir.iterdir()) == ["daemon.lock", "daemon.log", "stopped.json"]
     assert "Traceback" not in paths.log.read_text()
-    assert cli("stop", "job").returncode == 0
     print(f"\n[figure] a sample that always blocks: the daemon stopped after 3 attempts, {took:.1f} s")
 
 
-def test_killed_workers_leave_no_temporary_file_and_the_files_never_exceed_the_bound(tmp_path, jpeg_folder, job_root):
-    paths = start_job(
-        write_config(tmp_path, jpeg_folder, batch_size=4, workers=2, buffer="200K", seed=5),
-        "--max-worker-restarts",
-        "1000",
-    )
+def test_killed_workers_leave_no_temporary_file_and_the_files_never_exceed_the_bound(tmp_path, jpeg_folder, serve):
+    config = write_config(tmp_path, jpeg_folder, batch_size=4, workers=2, buffer="200K", seed=5)
+    paths = serve(config, {"max_worker_restarts": 1000}).paths
     rng = np.random.default_rng(1)
     killed: list[int] = []
     loader = PrefetchLoader("job", as_tensors=False, timeout=60)
@@ -244,17 +248,17 @@ def test_killed_workers_leave_no_temporary_file_and_the_files_never_exceed_the_b
 
 
 def test_a_batch_published_by_a_worker_killed_before_reporting_it_is_counted_not_orphaned(
-    tmp_path, jpeg_folder, job_root, monkeypatch
+    tmp_path, jpeg_folder, job_root, serve, monkeypatch
 ):
     code = KILLED_AFTER_LINK_PIPELINE.format(job_dir=str(job_root / "job"))
-    ref = start_job(pipeline_job(tmp_path, jpeg_folder, monkeypatch, "killed_after_link", code, name="ref"))
-    batch_bytes = read_manifest(ref)["batch_bytes"]
+    ref = serve(pipeline_job(tmp_path, jpeg_folder, monkeypatch, "killed_after_link", code, name="ref"))
+    batch_bytes = read_manifest(ref.paths)["batch_bytes"]
     expected = digests(read_epoch("ref", epochs=2, timeout=40))
-    assert cli("stop", "ref").returncode == 0
+    ref.stop()
     # A bound of exactly ten batches: a single batch that the ledger misses is over it.
     bound = 10 * batch_bytes
     config = pipeline_job(tmp_path, jpeg_folder, monkeypatch, "killed_after_link", code)
-    paths = start_job(config, "--buffer", str(bound))
+    paths = serve(config, {"buffer": str(bound)}).paths
     with FileBytesSampler(paths) as sampler:
         got = digests(read_epoch("job", epochs=2, timeout=40))
         final = wait_buffer_full(paths)

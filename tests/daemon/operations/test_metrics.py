@@ -1,4 +1,5 @@
-"""`--metrics HOST:PORT`: the Prometheus /metrics server of a real daemon.
+"""`--metrics HOST:PORT`: the Prometheus /metrics server of a job's master (in the test's process,
+or a real daemon where the test kills or stops it, or checks what `prefetchd start` says).
 
 Scrapes are parsed with prometheus_client's own parser; the figures must be those of the status
 snapshot and move as a trainer reads; hostile values and a port in use fail the start with exit
@@ -64,17 +65,19 @@ def scrape_when_serving(port: int, timeout_s: float = 20.0) -> dict:
     return wait_until(attempt, timeout_s=timeout_s, what=f"a scrape of 127.0.0.1:{port}")
 
 
-def start_with_metrics(tmp_path, jpeg_folder, name: str = "met", **config) -> tuple:
+def serve_with_metrics(serve, tmp_path, jpeg_folder, name: str = "met", **config) -> tuple:
+    """(the serving InProcessJob, its /metrics port)."""
     port = free_port()
-    paths = start_job(write_config(tmp_path, jpeg_folder, name=name, **config), "--metrics", f"127.0.0.1:{port}")
-    return paths, port
+    job = serve(write_config(tmp_path, jpeg_folder, name=name, **config), {"metrics": f"127.0.0.1:{port}"})
+    return job, port
 
 
 # -- what a scrape shows ------------------------------------------------------------------------
 
 
-def test_a_scrape_is_the_status_snapshot_and_moves_as_a_trainer_reads(tmp_path, jpeg_folder, job_root):
-    paths, port = start_with_metrics(tmp_path, jpeg_folder, buffer="1M")
+def test_a_scrape_is_the_status_snapshot_and_moves_as_a_trainer_reads(tmp_path, jpeg_folder, serve):
+    job, port = serve_with_metrics(serve, tmp_path, jpeg_folder, buffer="1M")
+    paths = job.paths
     first = scrape_when_serving(port)
     assert set(TYPES) <= set(first), f"missing: {set(TYPES) - set(first)}"
     for name, family in first.items():
@@ -264,7 +267,8 @@ def test_a_port_in_use_fails_the_restart_and_keeps_the_warm_buffer(tmp_path, jpe
 
 
 def test_a_scrape_of_a_stopped_daemon_fails_within_its_timeout_and_it_serves_on(tmp_path, jpeg_folder, job_root):
-    paths, port = start_with_metrics(tmp_path, jpeg_folder)
+    port = free_port()
+    paths = start_job(write_config(tmp_path, jpeg_folder, name="met"), "--metrics", f"127.0.0.1:{port}")
     scrape_when_serving(port)
     pid = read_manifest(paths)["pid"]
     os.kill(pid, signal.SIGSTOP)  # the whole process: its HTTP thread too, the kernel still accepts
@@ -310,11 +314,11 @@ def test_a_loop_that_does_not_answer_gives_a_503_not_a_hung_scrape():
         again.bind(("127.0.0.1", server.port))
 
 
-def test_a_flood_of_requests_and_garbage_bytes_do_not_stop_the_daemon(tmp_path, jpeg_folder, job_root):
-    paths, port = start_with_metrics(tmp_path, jpeg_folder)
+def test_a_flood_of_requests_and_garbage_bytes_do_not_stop_the_daemon(tmp_path, jpeg_folder, serve):
+    job, port = serve_with_metrics(serve, tmp_path, jpeg_folder)
     scrape_when_serving(port)
-    master = psutil.Process(read_manifest(paths)["pid"])
-    threads_before = master.num_threads()
+    process = psutil.Process()  # the master's: its loop and HTTP server are this test's threads
+    threads_before = process.num_threads()
     answered = []
 
     def flood():
@@ -352,11 +356,11 @@ def test_a_flood_of_requests_and_garbage_bytes_do_not_stop_the_daemon(tmp_path, 
     for w in workers:
         w.join(60)
     assert answered, "no request of the flood was answered"
-    assert master.is_running() and master.status() != psutil.STATUS_ZOMBIE
+    assert job.thread.is_alive() and job.master.stop_reason is None, "the flood stopped the master"
     assert value(scrape_when_serving(port), "prefetchd_up") == 1
-    assert job_status(paths)["workers"]["count"] == 1
+    assert job_status(job.paths)["workers"]["count"] == 1
     # Handler threads end with their connections: the thread count comes back down.
-    wait_until(lambda: master.num_threads() <= threads_before + 1, timeout_s=10, what="the handler threads gone")
+    wait_until(lambda: process.num_threads() <= threads_before + 1, timeout_s=10, what="the handler threads gone")
 
 
 # -- the docs and the dashboard -------------------------------------------------------------------

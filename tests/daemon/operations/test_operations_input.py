@@ -20,7 +20,7 @@ import pytest
 
 from prefetchd.ops.sdnotify import Notifier
 from prefetchd_client.layout import JobPaths
-from tests.conftest import cli, daemon_family, start_job, wait_pids_gone, wait_until, write_config
+from tests.conftest import cli, daemon_family, wait_pids_gone, wait_until, write_config
 from tests.daemon.lifecycle.test_sdnotify import FakeManager, ForegroundDaemon
 from tests.daemon.operations.test_metrics import scrape
 from tests.helpers import free_port
@@ -70,9 +70,9 @@ def test_the_daemon_serves_and_is_ready_under_a_watchdog_usec_int_refuses(tmp_pa
 # -- /metrics -----------------------------------------------------------------------------------
 
 
-def test_slow_senders_holding_every_connection_slot_do_not_lock_scrapes_out(tmp_path, jpeg_folder, job_root):
+def test_slow_senders_holding_every_connection_slot_do_not_lock_scrapes_out(tmp_path, jpeg_folder, serve):
     port = free_port()
-    start_job(write_config(tmp_path, jpeg_folder, name="met"), "--metrics", f"127.0.0.1:{port}")
+    serve(write_config(tmp_path, jpeg_folder, name="met"), {"metrics": f"127.0.0.1:{port}"})
     wait_until(lambda: _scrapes(port), timeout_s=20, what="a first scrape")
     request = b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 200
     stop = threading.Event()

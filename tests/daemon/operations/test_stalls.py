@@ -11,7 +11,9 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
+import numpy as np
 import pytest
 import zmq
 from hypothesis import given, settings
@@ -21,8 +23,7 @@ from prefetchd import control
 from prefetchd.ops.stalls import WINDOW_S, BadWaits, StallLedger
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.layout import JobPaths
-from tests.conftest import cli, start_job, wait_until, write_config
-from tests.daemon.lifecycle.test_worker_liveness import pipeline_job
+from tests.conftest import cli, wait_until, write_config
 from tests.helpers import job_status
 
 pytestmark = pytest.mark.timeout(120)
@@ -140,28 +141,41 @@ def test_wait_fields_may_be_whole_numbers_and_may_be_left_out():
     assert "wait_s" not in control.decode_message(b'{"op": "position", "rank": 0, "epoch": 0, "step": 1}')
 
 
-# ---------------------------------------------------------------- a real daemon
+# ---------------------------------------------------------------- a job's master
 
 SLOW_SAMPLE_S = 0.02  # 4 samples a batch: ~80 ms a batch from the one worker
-SLOW_PIPELINE = f"""
-import time
-import numpy as np
 
-def make(source, rng):
-    time.sleep({SLOW_SAMPLE_S})
-    return {{"x": np.full(4, source["index"], np.int32)}}
-"""
+
+def slow_make(source, rng):
+    """The [pipeline] of the throttled trainer's job. Its workers import this module by name: the
+    in-process worker server has this test process's sys.path, which holds the tests package (a
+    module under tmp_path, found through PYTHONPATH, would not reach it)."""
+    time.sleep(SLOW_SAMPLE_S)
+    return {"x": np.full(4, source["index"], np.int32)}
+
+
+def stuck_make(source, rng):
+    """The [pipeline] of the stuck trainer's job: sample 20 takes 30 s."""
+    time.sleep(30 if source["index"] == 20 else 0)
+    return {"x": np.full(4, source["index"], np.int32)}
+
+
+def pipeline_config(tmp_path, data, make) -> Path:
+    """A job config whose samples come from ``make``, a function of this module."""
+    config = tmp_path / "job.toml"
+    config.write_text(
+        f'[job]\nname = "job"\nbatch_size = 4\n[daemon]\nworkers = 1\n'
+        f'[[source]]\nkind = "image_folder"\nroot = "{data}"\n[pipeline]\ncallable = "{__name__}:{make.__name__}"\n'
+    )
+    return config
 
 
 def _ranks(paths: JobPaths) -> list[dict]:
     return job_status(paths)["ranks"]
 
 
-def test_a_throttled_trainer_waits_as_long_in_status_as_it_measured_itself(
-    tmp_path, jpeg_folder, job_root, monkeypatch
-):
-    config = pipeline_job(tmp_path, jpeg_folder, monkeypatch, "slowpipe", SLOW_PIPELINE)
-    paths = start_job(config, "--buffer", "64K")
+def test_a_throttled_trainer_waits_as_long_in_status_as_it_measured_itself(tmp_path, jpeg_folder, serve):
+    paths = serve(pipeline_config(tmp_path, jpeg_folder, slow_make), {"buffer": "64K"}).paths
     measured, steps, waited = 0.0, 0, 0
     loader = PrefetchLoader("job", as_tensors=False, timeout=30)
     try:
@@ -210,15 +224,8 @@ def test_a_throttled_trainer_waits_as_long_in_status_as_it_measured_itself(
     wait_until(lambda: _ranks(paths)[0]["wait"]["steps_total"] == steps + 2, timeout_s=10, what="the second loader")
 
 
-def test_a_trainer_stuck_on_a_batch_shows_its_wait_growing(tmp_path, jpeg_folder, job_root, monkeypatch):
-    config = pipeline_job(
-        tmp_path,
-        jpeg_folder,
-        monkeypatch,
-        "stuckpipe",
-        SLOW_PIPELINE.replace(f"time.sleep({SLOW_SAMPLE_S})", "time.sleep(30 if source['index'] == 20 else 0)"),
-    )
-    paths = start_job(config, "--worker-timeout", "60")
+def test_a_trainer_stuck_on_a_batch_shows_its_wait_growing(tmp_path, jpeg_folder, serve):
+    paths = serve(pipeline_config(tmp_path, jpeg_folder, stuck_make), {"worker_timeout": 60}).paths
     script = (
         "from prefetchd_client import PrefetchLoader\n"
         "for batch in PrefetchLoader('job', as_tensors=False, timeout=60):\n"
@@ -237,8 +244,8 @@ def test_a_trainer_stuck_on_a_batch_shows_its_wait_growing(tmp_path, jpeg_folder
         trainer.wait(10)
 
 
-def test_a_progress_file_trainer_shows_its_wait_as_unknown(tmp_path, jpeg_folder, job_root):
-    paths = start_job(write_config(tmp_path, jpeg_folder))
+def test_a_progress_file_trainer_shows_its_wait_as_unknown(tmp_path, jpeg_folder, serve):
+    paths = serve(write_config(tmp_path, jpeg_folder)).paths
     progress = paths.progress(0)
     tmp = progress.with_name(progress.name + ".tmp")
     tmp.write_text("0 3")
@@ -248,8 +255,8 @@ def test_a_progress_file_trainer_shows_its_wait_as_unknown(tmp_path, jpeg_folder
     assert "unknown" in cli("status", "job").stdout
 
 
-def test_hostile_wait_reports_are_refused_and_the_daemon_serves_on(tmp_path, jpeg_folder, job_root):
-    paths = start_job(write_config(tmp_path, jpeg_folder))
+def test_hostile_wait_reports_are_refused_and_the_daemon_serves_on(tmp_path, jpeg_folder, serve):
+    paths = serve(write_config(tmp_path, jpeg_folder)).paths
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -292,8 +299,8 @@ def test_hostile_wait_reports_are_refused_and_the_daemon_serves_on(tmp_path, jpe
 
 
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="needs tmux")
-def test_status_watch_is_live_in_a_real_terminal_and_ctrl_c_exits_0(tmp_path, jpeg_folder, job_root):
-    start_job(write_config(tmp_path, jpeg_folder))
+def test_status_watch_is_live_in_a_real_terminal_and_ctrl_c_exits_0(tmp_path, jpeg_folder, job_root, serve):
+    serve(write_config(tmp_path, jpeg_folder))
     session = f"prefetchd-watch-{uuid.uuid4().hex[:8]}"
     done = tmp_path / "exit-code"
     command = f"PREFETCHD_ROOT={job_root} {sys.executable} -m prefetchd status job --watch; echo $? > {done}"

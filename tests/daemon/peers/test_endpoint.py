@@ -1,6 +1,7 @@
 """The control socket over TCP: only when asked, loopback unless CURVE is configured.
 
-Real daemons, real sockets, real certificates (zmq.auth.create_certificates), the real command.
+Real daemons where the command is the point (its refusals, `prefetchd stop` over TCP or CURVE),
+masters in this process elsewhere; real sockets, real certificates (zmq.auth.create_certificates).
 """
 
 from __future__ import annotations
@@ -86,13 +87,14 @@ def test_tcp_job_serves_a_loader_and_answers_status_and_stop(tmp_path, jpeg_fold
 
 
 @pytest.mark.parametrize("host", ["0.0.0.0", "*", "192.0.2.7", "[::]"])
-def test_non_loopback_host_without_curve_is_refused(tmp_path, jpeg_folder, job_root, host):
+def test_non_loopback_host_without_curve_is_refused(tmp_path, jpeg_folder, job_root, serve, host):
+    # The command's own message and exit code for this refusal: the config-file case below.
     port = free_port()
-    result = cli("start", str(write_config(tmp_path, jpeg_folder)), "--endpoint", f"tcp://{host}:{port}")
-    assert result.returncode == ConfigError.exit_code, result.stderr
-    assert "Traceback" not in result.stderr
+    with pytest.raises(ConfigError) as refused:
+        serve(write_config(tmp_path, jpeg_folder), {"endpoint": f"tcp://{host}:{port}"})
+    assert refused.value.exit_code == ConfigError.exit_code
     for phrase in ("[daemon] endpoint / --endpoint", "not a loopback", f"tcp://127.0.0.1:{port}", "curve_secret_key"):
-        assert phrase in result.stderr, result.stderr
+        assert phrase in str(refused.value), refused.value
     assert list(job_root.iterdir()) == [], "a refused start left files behind"
     with socket.socket() as s:  # and nothing listens on the port
         assert s.connect_ex(("127.0.0.1", port)) != 0
@@ -107,21 +109,32 @@ def test_non_loopback_host_in_the_config_file_is_refused(tmp_path, jpeg_folder, 
 
 
 @pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1", "tcp://127.0.0.1:65536", "udp://127.0.0.1:5555"])
-def test_malformed_endpoint_flag_is_refused(tmp_path, jpeg_folder, job_root, endpoint):
+def test_malformed_endpoint_flag_is_refused(tmp_path, jpeg_folder, job_root, serve, endpoint):
+    with pytest.raises(ConfigError) as refused:
+        serve(write_config(tmp_path, jpeg_folder), {"endpoint": endpoint})
+    assert refused.value.exit_code == 2
+    assert "--endpoint must be ipc or tcp://HOST:PORT" in str(refused.value) and repr(endpoint) in str(refused.value)
+    assert list(job_root.iterdir()) == []
+
+
+def test_the_command_refuses_a_malformed_endpoint_flag_in_one_message(tmp_path, jpeg_folder, job_root):
+    endpoint = "udp://127.0.0.1:5555"
     result = cli("start", str(write_config(tmp_path, jpeg_folder)), "--endpoint", endpoint)
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "--endpoint must be ipc or tcp://HOST:PORT" in result.stderr and repr(endpoint) in result.stderr
     assert list(job_root.iterdir()) == []
 
 
-def test_a_port_in_use_is_a_clear_error(tmp_path, jpeg_folder, job_root):
+def test_a_port_in_use_is_a_clear_error(tmp_path, jpeg_folder, job_root, serve):
+    # How the command shows a port in use: tests/daemon/operations/test_metrics.py (--metrics).
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = cli("start", str(write_config(tmp_path, jpeg_folder)), "--endpoint", f"tcp://127.0.0.1:{port}")
-    assert result.returncode == 2, result.stderr
-    assert "cannot listen on" in result.stderr and "choose another port" in result.stderr
+        with pytest.raises(ConfigError) as refused:
+            serve(write_config(tmp_path, jpeg_folder), {"endpoint": f"tcp://127.0.0.1:{port}"})
+    assert refused.value.exit_code == 2
+    assert "cannot listen on" in str(refused.value) and "choose another port" in str(refused.value)
     assert list(job_root.iterdir()) == []
 
 

@@ -18,7 +18,7 @@ from prefetchd_client import PrefetchLoader
 from prefetchd_client.layout import JobPaths, write_progress
 from prefetchd_client.locks import daemon_alive
 from prefetchd_client.manifest import read_manifest
-from tests.conftest import start_job, wait_until, write_config
+from tests.conftest import wait_until, write_config
 from tests.helpers import free_port, job_status
 
 pytestmark = pytest.mark.timeout(120)
@@ -57,34 +57,38 @@ def read_batches(n: int, **kwargs) -> list[list[int]]:
         loader.close()
 
 
-def test_out_of_range_progress_file_is_refused_and_counted(tmp_path, jpeg_folder, job_root):
-    paths = start_job(write_config(tmp_path, jpeg_folder))
+def test_out_of_range_progress_file_is_refused_and_counted(tmp_path, jpeg_folder, serve):
+    job = serve(write_config(tmp_path, jpeg_folder))
+    paths = job.paths
     (paths.progress_dir / "rank-0").write_text("99999999999999999999999 3\n")
     status = refused(paths, "position")
     assert [(r["epoch"], r["step"]) for r in status["ranks"]] == [(0, 0)]
-    assert len(read_batches(3)) == 3 and daemon_alive(paths)
+    assert len(read_batches(3)) == 3 and job.exit_code is None
 
 
 @pytest.mark.parametrize("epoch", [2**64, 2**63, 10**6])
-def test_out_of_range_control_position_is_refused_and_counted(tmp_path, jpeg_folder, job_root, epoch):
-    paths = start_job(write_config(tmp_path, jpeg_folder))
+def test_out_of_range_control_position_is_refused_and_counted(tmp_path, jpeg_folder, serve, epoch):
+    job = serve(write_config(tmp_path, jpeg_folder))
+    paths = job.paths
     send_raw(paths, f'{{"op": "position", "rank": 0, "epoch": {epoch}, "step": 0}}'.encode())
     status = refused(paths, "position")
     assert [(r["epoch"], r["step"]) for r in status["ranks"]] == [(0, 0)]
-    assert len(read_batches(3)) == 3 and daemon_alive(paths)
+    assert len(read_batches(3)) == 3 and job.exit_code is None
 
 
-def test_deeply_nested_control_message_is_dropped_and_counted(tmp_path, jpeg_folder, job_root):
-    paths = start_job(write_config(tmp_path, jpeg_folder))
+def test_deeply_nested_control_message_is_dropped_and_counted(tmp_path, jpeg_folder, serve):
+    job = serve(write_config(tmp_path, jpeg_folder))
+    paths = job.paths
     payload = b"[" * 30000 + b"]" * 30000
     assert len(payload) < control.MAX_MESSAGE_BYTES
     send_raw(paths, payload, b'{"op": "status", "x": ' + b"[" * 20000 + b"]" * 20000 + b"}")
     refused(paths, "message", at_least=2)
-    assert len(read_batches(3)) == 3 and daemon_alive(paths)
+    assert len(read_batches(3)) == 3 and job.exit_code is None
 
 
-def test_planted_fifo_and_symlinks_do_not_block_or_stop_the_master(tmp_path, jpeg_folder, job_root):
-    paths = start_job(write_config(tmp_path, jpeg_folder))
+def test_planted_fifo_and_symlinks_do_not_block_or_stop_the_master(tmp_path, jpeg_folder, serve):
+    job = serve(write_config(tmp_path, jpeg_folder))
+    paths = job.paths
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     os.symlink(fifo, paths.progress_dir / "rank-0")  # open() of it would block until a writer came
@@ -96,21 +100,22 @@ def test_planted_fifo_and_symlinks_do_not_block_or_stop_the_master(tmp_path, jpe
     os.symlink("/etc/passwd", paths.trainer_lock(0))
     refused(paths, "trainer_lock")
     os.unlink(paths.trainer_lock(0))
-    assert len(read_batches(3)) == 3 and daemon_alive(paths)
+    assert len(read_batches(3)) == 3 and job.exit_code is None
 
 
-def test_repeated_bad_progress_files_cannot_grow_the_log(tmp_path, jpeg_folder, job_root):
-    paths = start_job(write_config(tmp_path, jpeg_folder))
+def test_repeated_bad_progress_files_cannot_grow_the_log(tmp_path, jpeg_folder, serve):
+    job = serve(write_config(tmp_path, jpeg_folder))
+    paths = job.paths
     for i in range(40):  # one at a time: the master reads a rank's file once per change it sees
         write_progress(paths.progress(0), 10**7 + i, 0)
         refused(paths, "position", at_least=i + 1)
     lines = [line for line in paths.log.read_text().splitlines() if "refused" in line]
     assert 1 <= len(lines) <= 12, lines  # the first 10, then a summary a minute
-    assert daemon_alive(paths)
+    assert job.exit_code is None
 
 
-def test_a_flood_of_malformed_messages_does_not_starve_the_trainer(tmp_path, jpeg_folder, job_root):
-    paths = start_job(write_config(tmp_path, jpeg_folder, buffer="256K"))  # a small window: it must keep refilling
+def test_a_flood_of_malformed_messages_does_not_starve_the_trainer(tmp_path, jpeg_folder, serve):
+    paths = serve(write_config(tmp_path, jpeg_folder, buffer="256K")).paths  # a small window: it must keep refilling
     send_raw(paths, *([b"\xff not json"] * 20000))
     batches = read_batches(24)  # two epochs through a window of a few batches, during the flood
     assert len(batches) == 24
@@ -127,6 +132,7 @@ def test_rates_stay_bounded_when_nobody_asks_for_status():
 def test_idle_tcp_connections_cannot_exhaust_the_daemons_descriptors(tmp_path, jpeg_folder, job_root):
     """Connections that never handshake are closed by ZeroMQ after HANDSHAKE_TIMEOUT_MS; until
     then EMFILE pauses the master instead of stopping it."""
+    # A real daemon: the limit is its process's own, and the connections below are this process's.
     limit = 96  # the daemon's hard limit on open files: a few hundred connections exceed it
     config = write_config(tmp_path, jpeg_folder, buffer="256K")
     endpoint = f"tcp://127.0.0.1:{free_port()}"

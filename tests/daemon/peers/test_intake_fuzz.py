@@ -1,5 +1,6 @@
-"""Fuzz the daemon's two intakes, progress files and control messages, against a live daemon:
-thousands of hostile values, and afterwards every rank still gets byte-identical batches."""
+"""Fuzz the daemon's two intakes, progress files and control messages, against a live master (in
+this process, on its real control socket): thousands of hostile values, and afterwards every
+rank still gets byte-identical batches."""
 
 from __future__ import annotations
 
@@ -16,9 +17,8 @@ from hypothesis import strategies as st
 from prefetchd import control
 from prefetchd.workers.producer import PRODUCER_SPEC, BatchProducer, ProducerSpec
 from prefetchd_client import PrefetchLoader
-from prefetchd_client.locks import daemon_alive
 from prefetchd_client.manifest import read_manifest
-from tests.conftest import start_job, wait_until, write_config
+from tests.conftest import wait_until, write_config
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -128,8 +128,9 @@ def read_all(job: str, rank: int, epochs: int) -> list[dict]:
 
 
 @pytest.mark.heavy
-def test_fuzzed_intakes_leave_the_daemon_serving_identical_batches(tmp_path, jpeg_folder, job_root):
-    paths = start_job(write_config(tmp_path, jpeg_folder, world_size=2, batch_size=4, buffer="2M"))
+def test_fuzzed_intakes_leave_the_daemon_serving_identical_batches(tmp_path, jpeg_folder, serve):
+    job = serve(write_config(tmp_path, jpeg_folder, world_size=2, batch_size=4, buffer="2M"))
+    paths = job.paths
     pid = read_manifest(paths)["pid"]
     context = zmq.Context()
     sock = context.socket(zmq.DEALER)
@@ -175,7 +176,7 @@ def test_fuzzed_intakes_leave_the_daemon_serving_identical_batches(tmp_path, jpe
         return status if status["totals"]["refused"].get("message", 0) >= sent["malformed"] else None
 
     status = wait_until(all_counted, timeout_s=60, what="every malformed message counted")
-    assert daemon_alive(paths) and status["pid"] == pid
+    assert job.exit_code is None and status["pid"] == pid
     refused = status["totals"]["refused"]
     print(
         f"\nfuzz: {sent['messages']} messages ({sent['malformed']} malformed), {sent['files']} progress files; "
@@ -194,4 +195,4 @@ def test_fuzzed_intakes_leave_the_daemon_serving_identical_batches(tmp_path, jpe
             _, expected = producer.regenerate(*divmod(i, per_epoch), rank)
             for name, array in expected.items():
                 assert np.array_equal(batch[name], array), (rank, i, name)
-    assert read_manifest(paths)["pid"] == pid and daemon_alive(paths)
+    assert read_manifest(paths)["pid"] == pid and job.exit_code is None

@@ -1,6 +1,7 @@
 """Attacks on a daemon per node (--ranks): hostile --ranks values, planted batch files before a
 restart, a restart with other ranks under a waiting trainer, `prefetchd verify` of a rank not
-served. Real daemons, real trainers, the real tmpfs."""
+served. Real masters (in this process where the `prefetchd` command is not the point), real
+trainers, the real tmpfs."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from prefetchd_client import PrefetchLoader
 from prefetchd_client.errors import PlanMismatch
 from prefetchd_client.layout import MAX_RANK, parse_batch_name
 from prefetchd_client.ranks import format_ranks, parse_ranks
-from tests.conftest import cli, start_job, wait_until, write_config
+from tests.conftest import cli, wait_until, write_config
 from tests.helpers import job_status
 
 pytestmark = pytest.mark.timeout(120)
@@ -52,28 +53,24 @@ def test_a_long_ranks_string_of_overlapping_ranges_is_refused_fast_and_small(job
     assert not any(job_root.iterdir())
 
 
-def _stop_keep() -> None:
-    result = cli("stop", "job", "--keep")
-    assert result.returncode == 0, result.stderr
-
-
-def test_planted_batch_names_that_are_not_canonical_are_not_adopted(job_root, jpeg_folder, tmp_path):
+def test_planted_batch_names_that_are_not_canonical_are_not_adopted(serve, jpeg_folder, tmp_path):
     """A batch file renamed or copied under a name the batch-name pattern still matches
     (a trailing newline: '$' matches before it; Unicode digits: '\\d' matches them) was adopted at
     a restart as the batch it names: the ledger counted it ready while the trainer's file name
     (paths.batch) did not exist, so the trainer waited out its timeout; a copy beside the real
     one was never deleted (beyond the bound)."""
     config = write_config(tmp_path, jpeg_folder, world_size=WORLD, batch_size=2, buffer="2M")
-    paths = start_job(config, "--ranks", "0-1")
+    job = serve(config, {"ranks": "0-1"})
+    paths = job.paths
     wait_until(lambda: all(r["ready"] >= 3 for r in job_status(paths)["ranks"]), 30, what="batches of ranks 0-1")
-    _stop_keep()
+    job.stop(keep=True)
     batches = paths.batch_dir
     os.rename(batches / "e000000-s00000000-r0000.batch", batches / "e000000-s00000000-r0000.batch\n")
     shutil.copy(
         batches / "e000000-s00000001-r0001.batch",
         batches / "e\u0660\u0660\u0660\u0660\u0660\u0660-s00000001-r0001.batch",
     )
-    paths = start_job(config, "--ranks", "0-1")
+    paths = serve(config, {"ranks": "0-1"}).paths
     left = sorted(n for n in os.listdir(batches) if parse_batch_name(n) is not None)
     aliases = [n for n in left if paths.batch(*parse_batch_name(n)).name != n]
     assert not aliases, f"adopted under names no trainer reads: {aliases!r}"
@@ -84,18 +81,18 @@ def test_planted_batch_names_that_are_not_canonical_are_not_adopted(job_root, jp
         loader.close()
 
 
-def test_a_trainer_whose_rank_a_restarted_daemon_no_longer_serves_is_told(job_root, jpeg_folder, tmp_path):
+def test_a_trainer_whose_rank_a_restarted_daemon_no_longer_serves_is_told(serve, jpeg_folder, tmp_path):
     """The node's daemon is restarted with other ranks (0-3, then 2-3) while rank 0's trainer
     runs: the trainer must get the PlanMismatch a new loader gets (naming ranks 2-3), not wait
     out its whole timeout for batches nobody makes (its positions are refused and counted)."""
     config = write_config(tmp_path, jpeg_folder, world_size=WORLD, batch_size=2, buffer="2M")
-    start_job(config, "--ranks", "0-3")
+    job = serve(config, {"ranks": "0-3"})
     loader = PrefetchLoader("job", rank=0, world_size=WORLD, timeout=20, restart_grace=30, as_tensors=False)
     try:
         batches = iter(loader)
         next(batches)
-        _stop_keep()
-        start_job(config, "--ranks", "2-3")
+        job.stop(keep=True)
+        serve(config, {"ranks": "2-3"})
         started = time.monotonic()
         with pytest.raises(PlanMismatch, match=r"rank 0 is not served .* ranks 2-3"):
             for _ in batches:  # the rest of the epoch, then the next: past what was read ahead
@@ -107,9 +104,9 @@ def test_a_trainer_whose_rank_a_restarted_daemon_no_longer_serves_is_told(job_ro
         loader.close()
 
 
-def test_verify_of_a_rank_this_node_does_not_serve_says_so(job_root, jpeg_folder, tmp_path):
+def test_verify_of_a_rank_this_node_does_not_serve_says_so(serve, jpeg_folder, tmp_path):
     config = write_config(tmp_path, jpeg_folder, world_size=WORLD, batch_size=2)
-    paths = start_job(config, "--ranks", "2-3")
+    paths = serve(config, {"ranks": "2-3"}).paths
     wait_until(lambda: job_status(paths)["ranks"][0]["ready"] >= 1, 30, what="a batch of rank 2")
     result = cli("verify", "job", "--epoch", "0", "--step", "0", "--rank", "0")
     assert result.returncode != 0 and "Traceback" not in result.stderr
@@ -136,22 +133,24 @@ def _read_ids(root, rank: int, world: int, *, state=None, stop_after=None) -> tu
 
 
 @pytest.mark.long  # CI time: tests/daemon/scaleout/test_scale_out.py resumes two nodes on one always
-def test_a_checkpoint_of_two_nodes_resumes_elastically_on_two_nodes_of_another_world(node_roots, jpeg_folder, tmp_path):
+def test_a_checkpoint_of_two_nodes_resumes_elastically_on_two_nodes_of_another_world(
+    node_roots, serve, jpeg_folder, tmp_path
+):
     """World 4 (batch 2) on two nodes, ranks 0-1 and 2-3; resumed as world 2 (batch 4, the same
     global batch) on two nodes of one rank each: nothing of epoch 0 is lost or repeated."""
     one, two = node_roots
     config = write_config(tmp_path, jpeg_folder, world_size=WORLD, batch_size=2, seed=3)
-    start_job(config, "--ranks", "0-1")
-    start_job(config, "--ranks", "2-3", "--root", str(two))
+    nodes = [serve(config, {"ranks": "0-1"}), serve(config, {"ranks": "2-3"}, root=two)]
     root_of = lambda r: one if r < 2 else two  # noqa: E731
     before = [_read_ids(root_of(r), r, WORLD, stop_after=2) for r in range(WORLD)]
     states = {json.dumps(s, sort_keys=True) for _, s in before}
     assert len(states) == 1, "state_dict() must be the same on every rank"
     state = before[0][1]
-    assert cli("stop", "job").returncode == 0 and cli("stop", "job", "--root", str(two)).returncode == 0
+    for node in nodes:
+        node.stop()
     config = write_config(tmp_path, jpeg_folder, world_size=2, batch_size=4, seed=3)
-    start_job(config, "--ranks", "0")
-    start_job(config, "--ranks", "1", "--root", str(two))
+    serve(config, {"ranks": "0"})
+    serve(config, {"ranks": "1"}, root=two)
     after = [_read_ids(one if r == 0 else two, r, 2, state=state)[0] for r in range(2)]
     seen = sum((ids for ids, _ in before), []) + sum(after, [])
     assert sorted(seen) == list(range(48)), "a sample was lost or repeated across nodes and world sizes"
@@ -235,14 +234,14 @@ def test_every_ranks_string_is_read_as_the_grammar_says_or_refused_naming_it(tex
 
 
 def test_a_daemon_serves_the_ranks_of_an_odd_but_valid_ranks_value_and_refuses_a_newline(
-    job_root, jpeg_folder, tmp_path
+    job_root, serve, jpeg_folder, tmp_path
 ):
     config = write_config(tmp_path, jpeg_folder, world_size=WORLD, batch_size=2)
     refused = cli("start", str(config), "--ranks", "1\n")
     assert refused.returncode == 2, refused.stderr  # CONFIG: a flag's value is invalid
     assert "--ranks" in refused.stderr and r"'1\n'" in refused.stderr and "Traceback" not in refused.stderr
     assert not any(job_root.iterdir())
-    paths = start_job(config, "--ranks", " 3 - 3 , 1 ")
+    paths = serve(config, {"ranks": " 3 - 3 , 1 "}).paths
     assert [r["rank"] for r in job_status(paths)["ranks"]] == [1, 3]
     shown = cli("status", "job")
     assert shown.returncode == 0 and "ranks 1,3 of 4" in shown.stdout, shown.stdout

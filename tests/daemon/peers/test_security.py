@@ -21,6 +21,7 @@ pytestmark = pytest.mark.timeout(120)
 
 
 def test_job_directory_is_private(tmp_path, jpeg_folder, job_root):
+    # A real daemon: the modes of the files it and its workers make rest on its own umask.
     paths = start_job(write_config(tmp_path, jpeg_folder))
     next(iter(PrefetchLoader("job", as_tensors=False)))
     for folder, _, files in os.walk(paths.dir):
@@ -54,8 +55,9 @@ def test_planted_job_paths_are_refused(tmp_path, jpeg_folder, job_root, plant, m
     assert not (job_root / "job" / "daemon.lock").exists() or os.path.islink(job_root / "job")
 
 
-def test_pickle_and_malformed_messages_are_dropped_without_effect(tmp_path, jpeg_folder, job_root):
-    paths = start_job(write_config(tmp_path, jpeg_folder))
+def test_pickle_and_malformed_messages_are_dropped_without_effect(tmp_path, jpeg_folder, serve):
+    job = serve(write_config(tmp_path, jpeg_folder))
+    paths = job.paths
     marker = tmp_path / "pwned"
 
     class Exploit:
@@ -91,6 +93,7 @@ def test_pickle_and_malformed_messages_are_dropped_without_effect(tmp_path, jpeg
     status = wait_until(counted, what="malformed messages counted")  # the oversized one never arrives
     assert not marker.exists()
     assert [r["epoch"] for r in status["ranks"]] == [0]
+    assert job.exit_code is None  # the stop with a bad "keep" stopped nothing
 
 
 def test_two_daemons_racing_for_one_job_one_wins(tmp_path, jpeg_folder, job_root):

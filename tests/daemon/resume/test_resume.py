@@ -13,7 +13,7 @@ import pytest
 from prefetchd.plan import Plan
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.layout import parse_batch_name
-from tests.conftest import cli, start_job, write_config
+from tests.conftest import write_config
 
 pytestmark = pytest.mark.timeout(300)
 EPOCHS = 2
@@ -45,45 +45,49 @@ def read(job: str, rank: int, world: int, *, state=None, stop_after=None, epochs
     return seen, state
 
 
-def assert_resume_matches(job: str, config, world: int, stop_after: int, restart_daemon: bool) -> None:
+def assert_resume_matches(job: str, world: int, stop_after: int, restart=None) -> None:
+    """``restart()``, when given, stops the job's master and starts a new one between the two reads."""
     for rank in range(world):
         reference, _ = read(job, rank, world)
         first, state = read(job, rank, world, stop_after=stop_after)
-        if restart_daemon:
-            assert cli("stop", job).returncode == 0
-            start_job(config)
+        if restart is not None:
+            restart()
         rest, _ = read(job, rank, world, state=state)
         assert first + rest == reference, f"rank {rank}: resumed stream differs (stop after {stop_after})"
 
 
 @pytest.mark.parametrize("workers, world", [(1, 1), (3, 2)])
-def test_resume_is_exact_over_stop_points(tmp_path, jpeg_folder, job_root, workers, world):
-    config = write_config(tmp_path, jpeg_folder, name="grid", world_size=world, workers=workers, batch_size=4, seed=3)
-    start_job(config)
+def test_resume_is_exact_over_stop_points(tmp_path, jpeg_folder, serve, workers, world):
+    serve(write_config(tmp_path, jpeg_folder, name="grid", world_size=world, workers=workers, batch_size=4, seed=3))
     per_epoch = SAMPLES // (4 * world)
     for stop_after in sorted({0, 1, per_epoch // 2, per_epoch - 1, per_epoch, per_epoch + 1, 2 * per_epoch - 1}):
-        assert_resume_matches("grid", config, world, stop_after, restart_daemon=False)
+        assert_resume_matches("grid", world, stop_after)
 
 
 @pytest.mark.parametrize("workers, world", [(3, 1), (1, 2)])
-def test_resume_is_exact_across_a_daemon_restart(tmp_path, jpeg_folder, job_root, workers, world):
+def test_resume_is_exact_across_a_daemon_restart(tmp_path, jpeg_folder, serve, workers, world):
     config = write_config(tmp_path, jpeg_folder, name="grid", world_size=world, workers=workers, batch_size=4, seed=3)
-    start_job(config)
+    jobs = [serve(config)]
+
+    def restart():  # as `prefetchd stop` then `prefetchd start`: the job folder goes, a new master builds it
+        jobs[-1].stop()
+        jobs.append(serve(config))
+
     per_epoch = SAMPLES // (4 * world)
     for stop_after in (per_epoch // 2, per_epoch):  # mid-epoch, and exactly at the boundary
-        assert_resume_matches("grid", config, world, stop_after, restart_daemon=True)
+        assert_resume_matches("grid", world, stop_after, restart)
 
 
-def test_worker_count_does_not_change_a_byte(tmp_path, jpeg_folder, job_root):
+def test_worker_count_does_not_change_a_byte(tmp_path, jpeg_folder, serve):
     streams = []
     for workers in (1, 3):
-        start_job(write_config(tmp_path, jpeg_folder, name=f"w{workers}", workers=workers, seed=9))
+        serve(write_config(tmp_path, jpeg_folder, name=f"w{workers}", workers=workers, seed=9))
         streams.append(read(f"w{workers}", 0, 1, epochs=1)[0])
     assert streams[0] == streams[1]
 
 
-def test_state_is_rank_invariant_and_tiny(tmp_path, jpeg_folder, job_root):
-    start_job(write_config(tmp_path, jpeg_folder, name="ri", world_size=2, batch_size=4))
+def test_state_is_rank_invariant_and_tiny(tmp_path, jpeg_folder, serve):
+    serve(write_config(tmp_path, jpeg_folder, name="ri", world_size=2, batch_size=4))
     states = [read("ri", rank, 2, stop_after=3)[1] for rank in range(2)]
     assert states[0] == states[1]
     assert len(json.dumps(states[0])) < 400
@@ -106,12 +110,12 @@ def consumed_ids(job, world, rank, state=None, stop_after=None):
 
 @pytest.mark.parametrize("new_world, new_batch", [(2, 4), (4, 2)])
 def test_elastic_resume_with_the_same_global_batch_loses_and_repeats_nothing(
-    tmp_path, jpeg_folder, job_root, new_world, new_batch
+    tmp_path, jpeg_folder, serve, new_world, new_batch
 ):
-    start_job(write_config(tmp_path, jpeg_folder, name="e1", world_size=1, batch_size=8, seed=4))
+    job = serve(write_config(tmp_path, jpeg_folder, name="e1", world_size=1, batch_size=8, seed=4))
     before, state = consumed_ids("e1", 1, 0, stop_after=2)  # 16 of 48 samples of epoch 0
-    assert cli("stop", "e1").returncode == 0
-    start_job(write_config(tmp_path, jpeg_folder, name="e1", world_size=new_world, batch_size=new_batch, seed=4))
+    job.stop()
+    serve(write_config(tmp_path, jpeg_folder, name="e1", world_size=new_world, batch_size=new_batch, seed=4))
     after = [consumed_ids("e1", new_world, r, state=state)[0] for r in range(new_world)]
     epoch0 = sum(before, []) + sum((sum(a, []) for a in after), [])
     assert sorted(epoch0) == list(range(SAMPLES)), "a sample was lost or repeated across the change"
@@ -121,11 +125,11 @@ def test_elastic_resume_with_the_same_global_batch_loses_and_repeats_nothing(
     assert sum(before, []) == perm[:16].tolist()
 
 
-def test_elastic_resume_with_another_global_batch_repeats_less_than_one_global_batch(tmp_path, jpeg_folder, job_root):
-    start_job(write_config(tmp_path, jpeg_folder, name="e2", world_size=1, batch_size=4, seed=4))
+def test_elastic_resume_with_another_global_batch_repeats_less_than_one_global_batch(tmp_path, jpeg_folder, serve):
+    job = serve(write_config(tmp_path, jpeg_folder, name="e2", world_size=1, batch_size=4, seed=4))
     before, state = consumed_ids("e2", 1, 0, stop_after=3)  # 12 samples
-    assert cli("stop", "e2").returncode == 0
-    start_job(write_config(tmp_path, jpeg_folder, name="e2", world_size=2, batch_size=5, seed=4))  # global 10
+    job.stop()
+    serve(write_config(tmp_path, jpeg_folder, name="e2", world_size=2, batch_size=5, seed=4))  # global 10
     after = [consumed_ids("e2", 2, r, state=state)[0] for r in range(2)]
     seen = sum(before, []) + sum((sum(a, []) for a in after), [])
     repeated = len(seen) - len(set(seen))
@@ -133,9 +137,9 @@ def test_elastic_resume_with_another_global_batch_repeats_less_than_one_global_b
     assert set(seen) >= set(Plan(SAMPLES, 2, 5, seed=4).order(0)[0][: 10 * 4].tolist())
 
 
-def test_warm_restart_finds_retained_batches_ready(tmp_path, jpeg_folder, job_root):
+def test_warm_restart_finds_retained_batches_ready(tmp_path, jpeg_folder, serve):
     """A trainer that restarts from a checkpoint two steps back finds those batches in the buffer."""
-    paths = start_job(write_config(tmp_path, jpeg_folder, name="warm", batch_size=4, seed=2))
+    paths = serve(write_config(tmp_path, jpeg_folder, name="warm", batch_size=4, seed=2)).paths
     _, checkpoint = consumed_ids("warm", 1, 0, stop_after=4)
     consumed_ids("warm", 1, 0, state=checkpoint, stop_after=2)  # the "crashed" run got 2 steps further
     names = {parse_batch_name(p.name)[:2] for p in paths.batch_dir.iterdir()}
