@@ -102,10 +102,14 @@ def _daemon_process_state() -> Iterator[None]:
     umask (daemon._begin), the job log's handler and the warnings it captures (logsetup.log_to)."""
     umask = os.umask(0o077)
     log = logging.getLogger("prefetchd")
-    handlers, level, last_resort = list(log.handlers), log.level, logging.lastResort
+    handlers, level, last_resort, propagate = list(log.handlers), log.level, logging.lastResort, log.propagate
+    # A daemon's lines go to its log alone (its process has no root handler). Here pytest's would
+    # take them too, and xdist cannot send a line naming a non-UTF-8 file to the controller.
+    log.propagate = False
     try:
         yield
     finally:
+        log.propagate = propagate
         os.umask(umask)
         for handler in log.handlers:
             if handler not in handlers:
