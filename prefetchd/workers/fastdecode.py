@@ -20,6 +20,7 @@ Files that are not JPEG, CMYK JPEGs and JPEGs libjpeg-turbo cannot read go throu
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import numpy as np
@@ -28,6 +29,14 @@ from PIL import Image
 # Imported on first use (a worker of a job that asked for this decoder): the CLI and the
 # master never pay for OpenCV.
 cv2 = simplejpeg = None
+
+
+def check_installed() -> None:
+    """Say how to install the decoder's libraries (ImportError) unless both are found. The
+    command and the master check this much; a worker imports them (require)."""
+    for module in ("cv2", "simplejpeg"):
+        if importlib.util.find_spec(module) is None:
+            raise ImportError(_install_advice(module))
 
 
 def require() -> None:
@@ -39,12 +48,16 @@ def require() -> None:
         import cv2 as _cv2
         import simplejpeg as _simplejpeg
     except ImportError as exc:
-        raise ImportError(
-            f"decoder = 'simplejpeg' needs simplejpeg and OpenCV ({exc.name} is missing): "
-            "pip install 'prefetchd[fast]', or use the default decoder = 'pillow'"
-        ) from None
+        raise ImportError(_install_advice(exc.name)) from None
     _cv2.setNumThreads(1)  # one worker process per core already: no thread pool inside each
     cv2, simplejpeg = _cv2, _simplejpeg
+
+
+def _install_advice(missing: str | None) -> str:
+    return (
+        f"decoder = 'simplejpeg' needs simplejpeg and OpenCV ({missing} is missing): "
+        "pip install 'prefetchd[fast]', or use the default decoder = 'pillow'"
+    )
 
 
 def jpeg_size(data: bytes) -> tuple[int, int] | None:

@@ -51,14 +51,16 @@ Box = tuple[float, float, float, float]  # (left, top, right, bottom) in source 
 # Only these decoders ever see a file: a crafted file cannot reach Pillow's rarer, less
 # hardened plugins. Pillow's pixel limit (Image.MAX_IMAGE_PIXELS) stays on.
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "PPM", "TIFF")
-# The decoders besides Pillow, by name: each module has require(), jpeg_size() and
+# The decoders besides Pillow, by name: each module has check_installed() (the command's and
+# the master's check, which imports no OpenCV), require() (a worker's import), jpeg_size() and
 # decode_resampled(); files they decline (not JPEG, CMYK, damaged) go through Pillow.
 NATIVE_DECODERS = {"simplejpeg": fastdecode, "turbojpeg": roidecode}
 
 
 def resolve_decoder(name: str) -> str:
     """The decoder a job runs with: ``name``, checked installed (ImportError saying how to
-    install it), or for "auto" the fastest one installed here."""
+    install it), or for "auto" the fastest one installed here. Checked, not imported: OpenCV
+    alone costs ~0.2 s of CPU, which `prefetchd start` need not pay; a worker imports it."""
     if name == "auto":
         for candidate in reversed(DECODERS):  # fastest first
             try:
@@ -68,7 +70,7 @@ def resolve_decoder(name: str) -> str:
     if name not in DECODERS:
         raise ValueError(f"decoder must be one of {DECODERS}, got {name!r}")
     if name in NATIVE_DECODERS:
-        NATIVE_DECODERS[name].require()
+        NATIVE_DECODERS[name].check_installed()
     return name
 
 
@@ -369,6 +371,8 @@ class ImagePipeline:
         self.output_shape: tuple[int, int, int] = (h, w, 3)
         self.decoder = resolve_decoder(decoder)  # a job's was resolved when its config was built
         self._native = NATIVE_DECODERS.get(self.decoder)
+        if self._native is not None:
+            self._native.require()  # in a worker: its libraries, imported once
 
     def plan(self, size: tuple[int, int], rng: np.random.Generator) -> CropPlan:
         """Draw this sample's random numbers (in config order) for an image of `size` (w, h)."""

@@ -124,7 +124,7 @@ def test_a_served_evaluation_reads_every_sample_once_and_every_epoch_alike(tmp_p
     assert sorted(seen) == list(range(48)) and padded == 2
 
 
-@pytest.mark.heavy
+@pytest.mark.long  # 30 CPU-s; the quick tier keeps Lightning in test_examples.py (its DDP resume)
 def test_an_evaluation_job_beside_a_training_job_in_lightning_gives_the_datasets_metric(
     tmp_path, jpeg_folder, job_root
 ):

@@ -250,7 +250,7 @@ def run_trainer_until_killed(script, ckpt, epochs: int, kill_at: int, hold: bool
         proc.stdout.close()
 
 
-@pytest.mark.heavy
+@pytest.mark.long  # 24 CPU-s of trainers; the quick tier resumes killed runs in tests/daemon/resume
 def test_a_trainer_killed_at_random_steps_and_epoch_boundaries_resumes_the_same_stream(tmp_path, jpeg_folder, job_root):
     epochs, per_epoch = 3, 12
     kw = dict(batch_size=4, workers=1, seed=23, buffer="200K")

@@ -36,7 +36,7 @@ ROWS = {
 }
 
 
-@pytest.mark.heavy
+@pytest.mark.long  # 55 CPU-s: every row of the benchmark; the quick tier runs `prefetchd bench` below
 @pytest.mark.timeout(200)
 def test_quick_bench_reports_every_row_and_cleans_up(tmp_path):
     out = tmp_path / "out"

@@ -216,6 +216,7 @@ def _ray_task_pids(name: str) -> list[int]:
     return found
 
 
+@pytest.mark.long  # 27 CPU-s; the quick tier keeps Ray's batches equal to local ones, and its trust tests
 def test_a_ray_worker_killed_mid_task_costs_no_batch(cluster, job_root, jpeg_folder, tmp_path):
     config = pipeline_config(tmp_path, jpeg_folder, "slow")
     start_job(config, "--workers", "1")

@@ -90,6 +90,7 @@ def test_a_failed_local_ray_start_leaves_no_ray_process(job_root, jpeg_folder, t
     wait_until(lambda: not ours_left(), timeout_s=15, what="the private Ray instance's processes to end")
 
 
+@pytest.mark.long  # 18 CPU-s of a private Ray instance booted and killed
 def test_a_master_killed_with_a_local_ray_leaves_no_process(job_root, jpeg_folder, tmp_path):
     """kill -9 of the master: the bridge dies with it, and so must the private Ray instance
     (its agents otherwise wait a minute on the dead GCS before they exit)."""

@@ -254,6 +254,7 @@ def _alive(processes) -> list[psutil.Process]:
     return left
 
 
+@pytest.mark.long  # 15 CPU-s of a private Ray instance booted and cancelled
 def test_a_cancelled_local_start_leaves_no_ray_process_and_used_a_private_folder(job_root, jpeg_folder, tmp_path):
     """Before: the instance lived in the shared /tmp/ray (session folders 0777), and a SIGTERM
     to `start` while Ray booted left ray::DashboardAgent and ray::RuntimeEnvAgent behind (2 of 4

@@ -69,18 +69,18 @@ def run_trainers(job: str, root_of_rank, *, stop_after=None, state=None) -> list
 
 
 @pytest.mark.heavy
-def test_two_nodes_make_the_batches_one_node_makes_and_resume_on_one(node_roots, jpeg_folder, tmp_path):
+def test_two_nodes_make_the_batches_one_node_makes_and_resume_on_one(node_roots, jpeg_folder, tmp_path, serve):
     config = write_config(tmp_path, jpeg_folder, world_size=WORLD, batch_size=2, workers=1, buffer="2M")
     one, two = node_roots
     # One node serving all four ranks: the reference streams, and where the checkpoint resumes.
-    start_job(config)
+    single = serve(config)
     reference = [r["seen"] for r in run_trainers("job", lambda r: one)]
     assert all(len(seen) == EPOCHS * 6 for seen in reference)  # 48 samples / (4 ranks x 2) per epoch
-    assert cli("stop", "job").returncode == 0
+    single.stop()
 
     # Two nodes: ranks 0-1 under one root, 2-3 under the other; the same config otherwise.
-    node_a = start_job(config, "--ranks", "0-1")
-    node_b = start_job(config, "--ranks", "2,3", "--root", str(two))
+    jobs = serve(config, {"ranks": "0-1"}), serve(config, {"ranks": "2,3"}, root=two)
+    node_a, node_b = (job.paths for job in jobs)
     for paths, served in ((node_a, "0-1"), (node_b, "2-3")):
         status = job_status(paths)
         assert status["served_ranks"] == served and [r["rank"] for r in status["ranks"]] == [
@@ -99,9 +99,9 @@ def test_two_nodes_make_the_batches_one_node_makes_and_resume_on_one(node_roots,
         assert produced <= mine, f"{paths.dir} made batches of ranks {produced - mine}"
 
     # The checkpoint of the two-node run, resumed on one node serving all four ranks.
-    assert cli("stop", "job").returncode == 0
-    assert cli("stop", "job", "--root", str(two)).returncode == 0
-    start_job(config)
+    for job in jobs:
+        job.stop()
+    serve(config)
     resumed = run_trainers("job", lambda r: one, state=states[0])
     for rank in range(WORLD):
         assert first[rank]["seen"] + resumed[rank]["seen"] == reference[rank], f"rank {rank}: resume on one node"
