@@ -47,16 +47,22 @@ def require() -> None:
     try:
         import cv2 as _cv2
         import simplejpeg as _simplejpeg
-    except ImportError as exc:
+    except ModuleNotFoundError as exc:
         raise ImportError(_install_advice(exc.name)) from None
+    except ImportError as exc:  # found by check_installed, but broken (a missing system library, say)
+        raise ImportError(
+            f"decoder = 'simplejpeg' or 'turbojpeg' needs OpenCV and simplejpeg, which are installed but do not "
+            f"load ({exc}): reinstall them (pip install --force-reinstall opencv-python-headless simplejpeg), "
+            "or use decoder = 'pillow'"
+        ) from None
     _cv2.setNumThreads(1)  # one worker process per core already: no thread pool inside each
     cv2, simplejpeg = _cv2, _simplejpeg
 
 
 def _install_advice(missing: str | None) -> str:
     return (
-        f"decoder = 'simplejpeg' needs simplejpeg and OpenCV ({missing} is missing): "
-        "pip install 'prefetchd[fast]', or use the default decoder = 'pillow'"
+        f"decoder = 'simplejpeg' or 'turbojpeg' needs simplejpeg and OpenCV ({missing} is missing): "
+        "pip install opencv-python-headless simplejpeg, or use decoder = 'pillow'"
     )
 
 

@@ -18,7 +18,8 @@ from tests.component.test_imagefolder import (  # the fixture too: torchvision's
     write_jpeg,
 )
 from tests.component.test_parquet import jpegs
-from tests.component.test_shards import gnu_tar, good, jpeg, sparse_folder, write_members, write_shard
+from tests.component.test_shards import good, jpeg, write_members, write_shard
+from tests.component.test_shards_tar import gnu_tar, sparse_folder
 from tests.conftest import cli, wait_until, write_config
 from tests.helpers import read_epoch
 

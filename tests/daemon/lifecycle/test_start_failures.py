@@ -254,3 +254,33 @@ def test_a_config_file_that_is_a_fifo_is_refused_at_once(tmp_path, job_root):
     os.mkfifo(fifo)
     result = cli("start", str(fifo), timeout=20)
     assert result.returncode == 2 and "not a regular file" in result.stderr
+
+
+@pytest.mark.parametrize("decoder", ["auto", "turbojpeg"])
+def test_an_opencv_that_is_installed_but_does_not_load_fails_the_start_with_what_to_do(
+    tmp_path, jpeg_folder, job_root, decoder
+):
+    """`start` checks that the decoder's modules are there without importing OpenCV (0.2 s of
+    CPU); one that is there but broken (a system library missing) is found by the workers,
+    whose boot fails the start with OpenCV's own words and the fix, leaving nothing behind."""
+    broken = tmp_path / "broken" / "cv2"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text('raise ImportError("libGL.so.1: cannot open shared object file")\n')
+    pythonpath = os.pathsep.join(filter(None, [str(broken.parent), os.environ.get("PYTHONPATH")]))
+    config = write_config(tmp_path, jpeg_folder)
+    result = cli("start", str(config), "--decoder", decoder, env={"PYTHONPATH": pythonpath})
+    assert result.returncode == 5, result.stderr
+    assert "installed but do not load (libGL.so.1: cannot open shared object file)" in result.stderr
+    assert "decoder = 'pillow'" in result.stderr and "Traceback" not in result.stderr
+    assert list(job_root.iterdir()) == []
+
+
+def test_a_missing_opencv_is_refused_by_the_config_check_naming_it(tmp_path):
+    """Missing altogether, it is the config's error, before any process starts (exit 2)."""
+    absent = tmp_path / "site"
+    absent.mkdir()
+    (absent / "sitecustomize.py").write_text('import sys\n\nsys.modules["cv2"] = None\n')
+    pythonpath = os.pathsep.join(filter(None, [str(absent), os.environ.get("PYTHONPATH")]))
+    result = cli("start", "--data", str(tmp_path), "--decoder", "simplejpeg", env={"PYTHONPATH": pythonpath})
+    assert result.returncode == 2, result.stderr
+    assert "(cv2 is missing): pip install opencv-python-headless simplejpeg" in result.stderr
