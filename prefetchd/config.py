@@ -222,9 +222,12 @@ def _check_source(i: int, src, base: Path) -> dict:
     where = f"[[source]] #{i + 1}"
     if not isinstance(src, dict):
         raise ConfigError(f"{where} must be a table")
-    kind = KINDS.get(src.get("kind")) if isinstance(src.get("kind"), str) else None
+    kinds = ", ".join(sorted(KINDS))
+    if "kind" not in src:
+        raise ConfigError(f'{where} has no kind: add kind = "image_folder" (or one of {kinds})')
+    kind = KINDS.get(src["kind"]) if isinstance(src["kind"], str) else None
     if kind is None:
-        raise ConfigError(f"{where}: kind must be one of {', '.join(sorted(KINDS))}, got {src.get('kind')!r}")
+        raise ConfigError(f"{where}: kind must be one of {kinds}, got {src['kind']!r}")
     _check_keys(src, {*COMMON_KEYS, kind.data_key, *kind.options}, f"{where} ({kind.name})")
     key = kind.data_key
     value = src.get(key)

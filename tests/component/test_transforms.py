@@ -443,3 +443,16 @@ def test_module_does_not_import_torch():
     code = "import sys, prefetchd.workers.transforms; sys.exit('torch' in sys.modules)"
     root = REPO
     assert subprocess.run([sys.executable, "-c", code], cwd=root, check=False).returncode == 0
+
+
+def test_every_decoder_setting_names_a_decoder_of_the_table():
+    """settings.DECODERS (the names `--decoder` takes, which the command reads without importing
+    a decoder) and transforms.NATIVE_DECODERS (the modules) describe one table: Pillow plus each
+    native decoder, and each of those has the four functions the workers and the command call."""
+    from prefetchd.settings import DECODERS
+    from prefetchd.workers.transforms import NATIVE_DECODERS
+
+    assert set(DECODERS) == {"pillow", *NATIVE_DECODERS}
+    for name, module in NATIVE_DECODERS.items():
+        for function in ("check_installed", "require", "jpeg_size", "decode_resampled"):
+            assert callable(getattr(module, function, None)), f"{name}: {module.__name__}.{function}"

@@ -91,6 +91,7 @@ def test_data_flag_replaces_the_source_root(tmp_path):
         ({"source": []}, {}, "no data: add a \\[\\[source\\]\\]"),
         ({"source": {"kind": "image_folder"}}, {}, r"write \[\[source\]\]"),
         ({"source": [{"kind": "s3"}]}, {}, "kind must be one of file_list, image_folder"),
+        ({"source": [{"root": "/d"}]}, {}, r'\[\[source\]\] #1 has no kind: add kind = "image_folder"'),
         ({"source": [{"kind": "image_folder"}]}, {}, "needs root"),
         ({"source": [{"kind": "image_folder", "root": "/d", "weight": -1}]}, {}, "weight must be a positive finite"),
         ({"source": [{"kind": "image_folder", "root": "/d", "weight": float("inf")}]}, {}, "positive finite number"),
