@@ -4,28 +4,19 @@ points, worker counts, world sizes and daemon restarts; elastic resume checks co
 
 from __future__ import annotations
 
-import hashlib
 import json
 
-import numpy as np
 import pytest
 
 from prefetchd.plan import Plan
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.layout import parse_batch_name
+from tests.batchdigest import digest
 from tests.conftest import write_config
 
 pytestmark = pytest.mark.timeout(300)
 EPOCHS = 2
 SAMPLES = 48  # the jpeg_folder fixture
-
-
-def digest(batch: dict) -> str:
-    h = hashlib.sha256()
-    for name in sorted(batch):
-        h.update(name.encode())
-        h.update(np.ascontiguousarray(batch[name]).tobytes())
-    return h.hexdigest()
 
 
 def read(job: str, rank: int, world: int, *, state=None, stop_after=None, epochs=EPOCHS):

@@ -20,9 +20,10 @@ import pytest
 
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.errors import DaemonDied
+from tests.batchdigest import digest
 from tests.conftest import cli, daemon_family, start_job, wait_pids_gone, wait_until, write_config
 from tests.daemon.data.test_container_sources import KINDS, parquet_files, shards, source_of  # noqa: F401 - fixtures
-from tests.daemon.resume.test_resume import digest, read
+from tests.daemon.resume.test_resume import read
 from tests.helpers import job_status
 
 ray = pytest.importorskip("ray")

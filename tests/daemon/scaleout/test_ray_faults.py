@@ -15,8 +15,8 @@ import psutil
 import pytest
 
 from prefetchd_client import PrefetchLoader
+from tests.batchdigest import digest
 from tests.conftest import cli, start_job, wait_until
-from tests.daemon.resume.test_resume import digest
 from tests.daemon.scaleout.test_ray import _ray_task_pids, cluster, pipeline_config, pipelines_dir, ray_flags, streams  # noqa: F401  (module fixtures: one cluster here too)
 from tests.helpers import free_port, job_status
 

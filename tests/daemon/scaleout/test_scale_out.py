@@ -29,7 +29,7 @@ EPOCHS = 2
 _TRAINER = textwrap.dedent("""
     import json, sys
     from prefetchd_client import PrefetchLoader
-    from tests.daemon.resume.test_resume import digest  # the trainer runs in the repository's folder, as pytest does
+    from tests.batchdigest import digest  # the trainer runs in the repository's folder, as pytest does
 
     job, root, rank, world, stop_after, epochs, state = json.loads(sys.argv[1])
     loader = PrefetchLoader(job, root=root, rank=rank, world_size=world, as_tensors=False, timeout=60)
