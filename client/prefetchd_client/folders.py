@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import UnsafeFolder
-from .layout import ROOT_ENV, JobPaths
+from .layout import ROOT_ENV, JobPaths, default_root
 
 # A folder is opened as a folder, never through a symlink: O_NOFOLLOW fails on one (ENOTDIR
 # with O_DIRECTORY, ELOOP without), so what was checked is what is used afterwards.
@@ -223,6 +223,8 @@ def _fix_for(path: Path, what: str, st: os.stat_result | None) -> str:
     """What this user can do: another user's entry in the sticky /dev/shm cannot be removed
     by anyone but its owner or an administrator, so "remove it" would be advice that fails."""
     if st is not None and st.st_uid == os.getuid() and what == "job root":
+        if path != default_root():  # named by --root or $PREFETCHD_ROOT: it may be the user's data
+            return f"name a folder of your own as the root: --root DIR or {ROOT_ENV}=DIR"
         return f"remove it (rm {path}) or use another root: --root DIR or {ROOT_ENV}=DIR"
     if st is not None and st.st_uid == os.getuid():
         return f"remove it (rm {path}) or use another job name"

@@ -28,9 +28,24 @@ from prefetchd_client.manifest import VersionMismatch, check_manifest, read_mani
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Prefetch augmented training batches into a tmpfs buffer."
 )
+def _root_folder(value: Optional[str]) -> Optional[Path]:
+    # An empty --root (`--root "$DIR"`, DIR unset) became Path("") = the current folder: the
+    # batches went to the disk under it, not to the tmpfs.
+    if value == "":
+        raise typer.BadParameter(
+            "is empty (an unset shell variable?): name a folder, or leave --root out for $PREFETCHD_ROOT "
+            "or /dev/shm/prefetchd-<uid>"
+        )
+    return None if value is None else Path(value)
+
+
 RootOpt = Annotated[
-    Optional[Path],
-    typer.Option("--root", help="Folder of job directories [default: $PREFETCHD_ROOT or /dev/shm/prefetchd-<uid>]"),
+    Optional[str],
+    typer.Option(
+        "--root",
+        callback=_root_folder,
+        help="Folder of job directories [default: $PREFETCHD_ROOT or /dev/shm/prefetchd-<uid>]",
+    ),
 ]
 
 

@@ -75,6 +75,8 @@ def verify_batch(paths: JobPaths, epoch: int, step: int, rank: int) -> dict:
         raise JobError(f"{path} is not a valid batch file ({exc}); the daemon never publishes one") from None
     try:
         producer = BatchProducer(spec)
+    except ImportError as exc:  # this node's decoder (fastdecode.require's words), or the pipeline's module
+        raise JobError(f"cannot remake batches of job {paths.name!r} here: {exc}") from None
     except Exception as exc:  # its index, its transforms, its pipeline's import: all read from the job folder
         raise JobError(
             f"cannot remake batches of job {paths.name!r} from its {PRODUCER_SPEC} and index: "

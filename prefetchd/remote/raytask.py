@@ -54,10 +54,10 @@ def decoder_facts() -> dict:
         import simplejpeg
 
         facts["simplejpeg"] = simplejpeg.__version__
-    except ImportError:
+    except Exception:  # noqa: BLE001 - absent or broken: a fact about this node, and a job may not need it
         pass
     try:
-        roidecode.require()
+        roidecode.require()  # an ImportError whatever fails (fastdecode.require)
         facts["libturbojpeg"] = os.path.basename(tjlib.library_path())
     except ImportError:
         pass

@@ -47,16 +47,24 @@ def require() -> None:
     try:
         import cv2 as _cv2
         import simplejpeg as _simplejpeg
+        _cv2.setNumThreads(1)  # one worker process per core already: no thread pool inside each
     except ModuleNotFoundError as exc:
-        raise ImportError(_install_advice(exc.name)) from None
-    except ImportError as exc:  # found by check_installed, but broken (a missing system library, say)
-        raise ImportError(
-            f"decoder = 'simplejpeg' or 'turbojpeg' needs OpenCV and simplejpeg, which are installed but do not "
-            f"load ({exc}): reinstall them (pip install --force-reinstall opencv-python-headless simplejpeg), "
-            "or use decoder = 'pillow'"
-        ) from None
-    _cv2.setNumThreads(1)  # one worker process per core already: no thread pool inside each
+        if exc.name in ("cv2", "simplejpeg"):
+            raise ImportError(_install_advice(exc.name)) from None
+        raise ImportError(_broken_advice(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - found by check_installed, but broken: whatever it raises
+        raise ImportError(_broken_advice(exc)) from None
     cv2, simplejpeg = _cv2, _simplejpeg
+
+
+def _broken_advice(exc: Exception) -> str:
+    """A library that is there (a system library it needs missing, a build for another numpy,
+    a leftover folder of an uninstalled wheel): what failed, and the fix."""
+    return (
+        f"decoder = 'simplejpeg' or 'turbojpeg' needs OpenCV and simplejpeg, which are installed but do not "
+        f"load ({type(exc).__name__}: {exc}): reinstall them (pip install --force-reinstall "
+        "opencv-python-headless simplejpeg), or use decoder = 'pillow'"
+    )
 
 
 def _install_advice(missing: str | None) -> str:

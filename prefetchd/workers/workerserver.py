@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import multiprocessing
 import multiprocessing.forkserver
 import os
@@ -26,9 +27,14 @@ import tempfile
 import time
 
 CONTEXT = multiprocessing.get_context("forkserver")
-# Imported once in the server. The decoders are optional: one that is not installed is skipped.
-# This module first: in the server it ties the server's life to the daemon's (_die_with_the_daemon).
-PRELOAD = [__name__, "prefetchd.workers.worker", "cv2", "simplejpeg"]
+# Imported once in the server. This module first: in the server it ties the server's life to the
+# daemon's (_die_with_the_daemon) and imports the decoders' libraries (_preload_decoder_libraries).
+PRELOAD = [__name__, "prefetchd.workers.worker"]
+# Not in PRELOAD: the server skips only an ImportError there, so a broken library that raises
+# anything else (a RuntimeError: built against another numpy) killed it, and with it every
+# worker, whatever the job's decoder. Here any failure is skipped; a worker of a job that needs
+# the library imports it again and says why, and how to fix it (fastdecode.require).
+DECODER_LIBRARIES = ("cv2", "simplejpeg")
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -79,15 +85,18 @@ def unstick() -> bool:
     return True
 
 
-def _die_with_the_daemon() -> None:
-    """In the fork server (imported by its preload): SIGKILL when its parent, the daemon, dies.
-    Its pipe from the daemon closing ends it too, but not while it is stopped, nor while a
-    worker (which holds that pipe as well) is blocked in a sample; the kernel's signal does."""
+def _in_the_server() -> bool:
+    """Whether this import is the fork server's preload (not the daemon's, a worker's, a test's)."""
     frame = sys._getframe(1)
     while frame is not None and frame.f_code is not multiprocessing.forkserver.main.__code__:
         frame = frame.f_back
-    if frame is None:  # imported anywhere else: the daemon, a worker, a test
-        return
+    return frame is not None
+
+
+def _die_with_the_daemon() -> None:
+    """In the fork server: SIGKILL when its parent, the daemon, dies. Its pipe from the daemon
+    closing ends it too, but not while it is stopped, nor while a worker (which holds that pipe
+    as well) is blocked in a sample; the kernel's signal does."""
     # Ctrl-C in a terminal reaches the whole process group of `start --foreground`: the daemon
     # alone decides what it means (stopsignals), and the server, preloading, would print a
     # KeyboardInterrupt traceback there. (Not set by the daemon around the spawn: ignored there
@@ -100,7 +109,17 @@ def _die_with_the_daemon() -> None:
         pass
 
 
-_die_with_the_daemon()
+def _preload_decoder_libraries() -> None:
+    for name in DECODER_LIBRARIES:
+        try:
+            importlib.import_module(name)
+        except BaseException:  # noqa: BLE001 - even SystemExit: the server must live (see DECODER_LIBRARIES)
+            sys.modules.pop(name, None)
+
+
+if _in_the_server():
+    _die_with_the_daemon()
+    _preload_decoder_libraries()
 
 
 def server_pid() -> int | None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -104,3 +106,26 @@ def test_demo_runs_end_to_end(tmp_path, job_root):
     assert result.returncode == 0, result.stderr
     assert "images/s" in result.stdout and "waited for data" in result.stdout
     assert list(job_root.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [["start", "--data", "DATA"], ["status"], ["stop", "job"]])
+def test_an_empty_root_is_refused_not_taken_as_the_current_folder(tmp_path, jpeg_folder, job_root, command):
+    """`--root "$DIR"` with DIR unset: the empty path was the current folder, and `start` put
+    the job's batches on the disk under it instead of the tmpfs."""
+    args = [str(jpeg_folder) if a == "DATA" else a for a in command]
+    command_line = [sys.executable, "-m", "prefetchd", *args, "--root", ""]
+    result = subprocess.run(command_line, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert "--root" in result.stderr and "is empty (an unset shell variable?)" in result.stderr
+    assert list(tmp_path.iterdir()) == [] and list(job_root.iterdir()) == []
+
+
+def test_a_file_named_as_the_root_is_refused_without_advice_to_remove_it(tmp_path, jpeg_folder, job_root):
+    """The advice to `rm` a root that is not a folder is for the default root (a leftover); a
+    root the user named may be their data."""
+    data = tmp_path / "precious.jpg"
+    data.write_bytes(b"\xff\xd8 the user's own file")
+    result = cli("start", "--data", str(jpeg_folder), "--root", str(data))
+    assert result.returncode != 0 and "is not a folder" in result.stderr, result.stderr
+    assert "rm " not in result.stderr and "--root DIR" in result.stderr
+    assert data.read_bytes() == b"\xff\xd8 the user's own file"

@@ -256,23 +256,46 @@ def test_a_config_file_that_is_a_fifo_is_refused_at_once(tmp_path, job_root):
     assert result.returncode == 2 and "not a regular file" in result.stderr
 
 
-@pytest.mark.parametrize("decoder", ["auto", "turbojpeg"])
-def test_an_opencv_that_is_installed_but_does_not_load_fails_the_start_with_what_to_do(
-    tmp_path, jpeg_folder, job_root, decoder
-):
-    """`start` checks that the decoder's modules are there without importing OpenCV (0.2 s of
-    CPU); one that is there but broken (a system library missing) is found by the workers,
-    whose boot fails the start with OpenCV's own words and the fix, leaving nothing behind."""
+BROKEN_OPENCV = {  # what a cv2 that is there but broken raises at import
+    "system library": 'raise ImportError("libGL.so.1: cannot open shared object file")',
+    "another numpy": 'raise RuntimeError("module compiled against ABI version 0x1000009")',
+    "leftover folder": "",  # a cv2/ of an uninstalled wheel: imports, has no setNumThreads
+}
+
+
+def _broken_opencv(tmp_path, how: str) -> dict:
     broken = tmp_path / "broken" / "cv2"
     broken.mkdir(parents=True)
-    (broken / "__init__.py").write_text('raise ImportError("libGL.so.1: cannot open shared object file")\n')
-    pythonpath = os.pathsep.join(filter(None, [str(broken.parent), os.environ.get("PYTHONPATH")]))
+    (broken / "__init__.py").write_text(BROKEN_OPENCV[how] + "\n")
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(broken.parent), os.environ.get("PYTHONPATH")]))}
+
+
+@pytest.mark.parametrize("how", list(BROKEN_OPENCV))
+@pytest.mark.parametrize("decoder", ["auto", "turbojpeg"])
+def test_an_opencv_that_is_installed_but_does_not_load_fails_the_start_with_what_to_do(
+    tmp_path, jpeg_folder, job_root, decoder, how
+):
+    """`start` checks that the decoder's modules are there without importing OpenCV (0.2 s of
+    CPU); one that is there but broken is found by the workers, whose boot fails the start with
+    what OpenCV raised and the fix, leaving nothing behind."""
     config = write_config(tmp_path, jpeg_folder)
-    result = cli("start", str(config), "--decoder", decoder, env={"PYTHONPATH": pythonpath})
+    result = cli("start", str(config), "--decoder", decoder, env=_broken_opencv(tmp_path, how))
     assert result.returncode == 5, result.stderr
-    assert "installed but do not load (libGL.so.1: cannot open shared object file)" in result.stderr
+    assert "installed but do not load" in result.stderr and "--force-reinstall" in result.stderr, result.stderr
     assert "decoder = 'pillow'" in result.stderr and "Traceback" not in result.stderr
     assert list(job_root.iterdir()) == []
+
+
+def test_a_broken_opencv_costs_a_pillow_job_nothing(tmp_path, jpeg_folder, job_root):
+    """The worker server imports the decoders' libraries beside its preload, skipping any that
+    fails: before, one raising anything but ImportError killed the server at each of its five
+    starts, and with it every job on the node, Pillow's too ("the fork server ... died 5 times")."""
+    config = write_config(tmp_path, jpeg_folder, name="pil")
+    result = cli("start", str(config), "--decoder", "pillow", env=_broken_opencv(tmp_path, "another numpy"))
+    assert result.returncode == 0, result.stderr
+    batch = next(iter(PrefetchLoader("pil", as_tensors=False, timeout=60)))
+    assert batch["image"].shape == (4, 32, 32, 3)
+    assert cli("stop", "pil").returncode == 0
 
 
 def test_a_missing_opencv_is_refused_by_the_config_check_naming_it(tmp_path):
