@@ -74,8 +74,6 @@ def _train_step_factory():
 
 def run_demo(*, images: int, epochs: int, workers: int | None, buffer: str, root, console: Console) -> dict:
     data = demo_data(images)
-    own_root = root is None
-    root = Path(tempfile.mkdtemp(prefix="prefetchd-demo-", dir="/dev/shm")) if own_root else Path(root)
     overrides = {"buffer": buffer, "workers": workers, "batch_size": 32}
     raw = {
         "job": {"name": "demo"},
@@ -83,6 +81,9 @@ def run_demo(*, images: int, epochs: int, workers: int | None, buffer: str, root
         "transform": DEMO_TRANSFORMS,
     }
     cfg = build_config(raw, base=Path.cwd(), default_name="demo", overrides=overrides)
+    # Made once the flags are read: a bad one (--buffer abc) left an empty folder in /dev/shm.
+    own_root = root is None
+    root = Path(tempfile.mkdtemp(prefix="prefetchd-demo-", dir="/dev/shm")) if own_root else Path(root)
     paths = JobPaths.of(cfg.name, root)
     console.print(f"data: {images} JPEGs in {data}; starting job {cfg.name} with {cfg.workers} worker(s) under {root}")
     try:

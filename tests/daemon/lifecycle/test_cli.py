@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -106,6 +107,14 @@ def test_demo_runs_end_to_end(tmp_path, job_root):
     assert result.returncode == 0, result.stderr
     assert "images/s" in result.stdout and "waited for data" in result.stdout
     assert list(job_root.iterdir()) == []
+
+
+def test_a_demo_with_a_bad_flag_leaves_no_folder(tmp_path):
+    """Its private root in /dev/shm was made before the flags were read: `--buffer abc` left it."""
+    before = {p.name for p in Path("/dev/shm").glob("prefetchd-demo-*")}
+    result = cli("demo", "--images", "16", "--buffer", "abc", env={"PREFETCHD_CACHE": str(tmp_path)})
+    assert result.returncode == 2 and "cannot read 'abc' as a size" in result.stderr, result.stderr
+    assert {p.name for p in Path("/dev/shm").glob("prefetchd-demo-*")} <= before
 
 
 @pytest.mark.parametrize("command", [["start", "--data", "DATA"], ["status"], ["stop", "job"]])
