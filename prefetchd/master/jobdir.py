@@ -39,6 +39,10 @@ def ensure_private_dir(path: Path, what: str, *, dir_fd: int | None = None) -> i
         os.mkdir(path.name if dir_fd is not None else path, 0o700, dir_fd=dir_fd)
     except FileExistsError:
         pass
+    except OSError as exc:  # no permission (--root /sys/kernel), a parent that is not there (/proc/x)
+        raise JobError(
+            f"cannot create the {what} {path}: {exc.strerror}; choose another --root or PREFETCHD_ROOT"
+        ) from None
     try:  # the folders above were checked by JobDir.acquire before anything was made
         return open_private_dir(path, what, dir_fd=dir_fd)
     except UnsafeFolder as exc:

@@ -138,3 +138,12 @@ def test_a_file_named_as_the_root_is_refused_without_advice_to_remove_it(tmp_pat
     assert result.returncode != 0 and "is not a folder" in result.stderr, result.stderr
     assert "rm " not in result.stderr and "--root DIR" in result.stderr
     assert data.read_bytes() == b"\xff\xd8 the user's own file"
+
+
+@pytest.mark.parametrize("root", ["/sys/kernel", "/proc/no-such-folder"])
+def test_a_root_where_no_folder_can_be_made_is_a_clear_refusal(jpeg_folder, job_root, root):
+    """Was exit 70, "internal error during start-up: PermissionError ... 'default'"."""
+    result = cli("start", "--data", str(jpeg_folder), "--root", root)
+    assert result.returncode == 4, result.stderr
+    assert "cannot create the job " in result.stderr and "choose another --root" in result.stderr, result.stderr
+    assert "internal error" not in result.stderr and "Traceback" not in result.stderr
