@@ -36,6 +36,22 @@ class ReadBatch:
     meta: dict | None  # the batch header's meta, when asked for
 
 
+def importing_first(folder: Path) -> dict:
+    """The environment change that makes a child Python import from ``folder`` before anything
+    installed (a hostile or broken package planted there)."""
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(folder), os.environ.get("PYTHONPATH")]))}
+
+
+def without_modules(folder: Path, *names: str) -> dict:
+    """The environment change that makes ``names`` absent from a child Python: a sitecustomize
+    (which `site` runs at every start) in ``folder`` marks them so in sys.modules, so both
+    ``import`` and ``find_spec`` say they are missing, in that process and in those it starts."""
+    folder.mkdir(parents=True, exist_ok=True)
+    absent = "".join(f"sys.modules[{name!r}] = None\n" for name in names)
+    (folder / "sitecustomize.py").write_text(f"import sys\n\n{absent}")
+    return importing_first(folder)
+
+
 def read_epoch(
     job: str,
     *,

@@ -28,6 +28,8 @@ from prefetchd_client.manifest import VersionMismatch, check_manifest, read_mani
 app = typer.Typer(
     add_completion=False, no_args_is_help=True, help="Prefetch augmented training batches into a tmpfs buffer."
 )
+
+
 def _root_folder(value: Optional[str]) -> Optional[Path]:
     # An empty --root (`--root "$DIR"`, DIR unset) became Path("") = the current folder: the
     # batches went to the disk under it, not to the tmpfs.

@@ -29,12 +29,13 @@ from PIL import Image
 # Imported on first use (a worker of a job that asked for this decoder): the CLI and the
 # master never pay for OpenCV.
 cv2 = simplejpeg = None
+LIBRARIES = ("cv2", "simplejpeg")  # what the decoder imports: checked by the command, preloaded by the worker server
 
 
 def check_installed() -> None:
     """Say how to install the decoder's libraries (ImportError) unless both are found. The
     command and the master check this much; a worker imports them (require)."""
-    for module in ("cv2", "simplejpeg"):
+    for module in LIBRARIES:
         if importlib.util.find_spec(module) is None:
             raise ImportError(_install_advice(module))
 
@@ -49,7 +50,7 @@ def require() -> None:
         import simplejpeg as _simplejpeg
         _cv2.setNumThreads(1)  # one worker process per core already: no thread pool inside each
     except ModuleNotFoundError as exc:
-        if exc.name in ("cv2", "simplejpeg"):
+        if exc.name in LIBRARIES:
             raise ImportError(_install_advice(exc.name)) from None
         raise ImportError(_broken_advice(exc)) from None
     except Exception as exc:  # noqa: BLE001 - found by check_installed, but broken: whatever it raises

@@ -30,11 +30,6 @@ CONTEXT = multiprocessing.get_context("forkserver")
 # Imported once in the server. This module first: in the server it ties the server's life to the
 # daemon's (_die_with_the_daemon) and imports the decoders' libraries (_preload_decoder_libraries).
 PRELOAD = [__name__, "prefetchd.workers.worker"]
-# Not in PRELOAD: the server skips only an ImportError there, so a broken library that raises
-# anything else (a RuntimeError: built against another numpy) killed it, and with it every
-# worker, whatever the job's decoder. Here any failure is skipped; a worker of a job that needs
-# the library imports it again and says why, and how to fix it (fastdecode.require).
-DECODER_LIBRARIES = ("cv2", "simplejpeg")
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -110,10 +105,16 @@ def _die_with_the_daemon() -> None:
 
 
 def _preload_decoder_libraries() -> None:
-    for name in DECODER_LIBRARIES:
+    """Not in PRELOAD: the server skips only an ImportError there, so a broken library that
+    raises anything else (a RuntimeError: built against another numpy) killed it, and with it
+    every worker, whatever the job's decoder. Here any failure is skipped; a worker of a job that
+    needs the library imports it again and says why, and how to fix it (fastdecode.require)."""
+    from prefetchd.workers.fastdecode import LIBRARIES  # in the server only: the daemon's start waits for none
+
+    for name in LIBRARIES:
         try:
             importlib.import_module(name)
-        except BaseException:  # noqa: BLE001 - even SystemExit: the server must live (see DECODER_LIBRARIES)
+        except BaseException:  # noqa: BLE001 - even SystemExit: the server must live
             sys.modules.pop(name, None)
 
 

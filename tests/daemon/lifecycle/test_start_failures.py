@@ -20,6 +20,7 @@ from prefetchd.plan import Plan
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.layout import JobPaths
 from tests.conftest import cli, daemon_family, start_job, wait_pids_gone, wait_until, write_config
+from tests.helpers import importing_first, without_modules
 
 pytestmark = pytest.mark.timeout(180)
 SAMPLES = 48  # the jpeg_folder fixture
@@ -267,7 +268,7 @@ def _broken_opencv(tmp_path, how: str) -> dict:
     broken = tmp_path / "broken" / "cv2"
     broken.mkdir(parents=True)
     (broken / "__init__.py").write_text(BROKEN_OPENCV[how] + "\n")
-    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(broken.parent), os.environ.get("PYTHONPATH")]))}
+    return importing_first(broken.parent)
 
 
 @pytest.mark.parametrize("how", list(BROKEN_OPENCV))
@@ -300,10 +301,7 @@ def test_a_broken_opencv_costs_a_pillow_job_nothing(tmp_path, jpeg_folder, job_r
 
 def test_a_missing_opencv_is_refused_by_the_config_check_naming_it(tmp_path):
     """Missing altogether, it is the config's error, before any process starts (exit 2)."""
-    absent = tmp_path / "site"
-    absent.mkdir()
-    (absent / "sitecustomize.py").write_text('import sys\n\nsys.modules["cv2"] = None\n')
-    pythonpath = os.pathsep.join(filter(None, [str(absent), os.environ.get("PYTHONPATH")]))
-    result = cli("start", "--data", str(tmp_path), "--decoder", "simplejpeg", env={"PYTHONPATH": pythonpath})
+    env = without_modules(tmp_path / "site", "cv2")
+    result = cli("start", "--data", str(tmp_path), "--decoder", "simplejpeg", env=env)
     assert result.returncode == 2, result.stderr
     assert "(cv2 is missing): pip install opencv-python-headless simplejpeg" in result.stderr

@@ -16,6 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from tests.helpers import without_modules
+
 ROWS = {
     "cold_start",
     "start",
@@ -108,10 +110,7 @@ def test_prefetchd_bench_without_torch_says_what_to_install(tmp_path):
     """An interpreter where torch cannot be imported: a sitecustomize (which `site` runs at every
     start) marks it absent in sys.modules, so both `import torch` and find_spec("torch") say it
     is missing, in the command and in the benchmark's process, which inherits the environment."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text('import sys\n\nsys.modules["torch"] = None\n')
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, **without_modules(tmp_path / "site", "torch")}
     probe = "import importlib.util; print(importlib.util.find_spec('torch'))"
     found = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=60)
     assert found.stdout == "None\n", found.stdout + found.stderr
