@@ -53,8 +53,8 @@ from prefetchd import settings
 from prefetchd.curve import load_authorized_keys
 from prefetchd.errors import ConfigError
 from prefetchd.sources.kinds import COMMON_KEYS, KINDS
-from prefetchd.workers import transforms
-from prefetchd_client.batchfile import VERSION as BATCH_FORMAT_VERSION
+from prefetchd.workers import transformspec
+from prefetchd.workers.decoders import resolve_decoder
 from prefetchd_client.layout import parse_tcp_endpoint
 from prefetchd_client.ranks import format_ranks
 from prefetchd_client.transport import load_secret_certificate
@@ -137,28 +137,6 @@ class Config:
 
 def content_hash(content: dict) -> str:
     return hashlib.sha256(json.dumps(content, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def plan_digest(config: Config, plan: dict, data_fingerprint: str) -> str:
-    """Identifies everything that decides a batch's bytes; a batch is of this job only if it
-    carries this digest.
-
-    Unlike the config hash (what a resume state must match), nothing is left out: world size,
-    batch size, drop_last, weights and mix rule (all in ``plan``, ``Plan.to_json()``), the
-    data, the source names (a batch's per-source counts), the transforms or the pipeline
-    callable, the decoder, and the batch format version. A daemon restarted with any of them
-    changed must not adopt the batches the previous one left.
-    """
-    decides = {
-        "format_version": BATCH_FORMAT_VERSION,
-        "plan": plan,
-        "data": data_fingerprint,
-        "sources": [s["name"] for s in config.sources],
-        "transforms": list(config.transforms),
-        "pipeline": config.pipeline,
-        "decoder": config.decoder,
-    }
-    return content_hash(decides)
 
 
 def _check_endpoint(values: dict, base: Path, flags: dict) -> dict:
@@ -276,7 +254,7 @@ def _check_executor(values: dict) -> None:
 
 def _resolve_decoder(decoder: str) -> str:
     try:
-        return transforms.resolve_decoder(decoder)
+        return resolve_decoder(decoder)
     except ImportError as exc:
         raise ConfigError(f"{settings.BY_OPTION['decoder'].where} / --decoder: {exc}") from None
 
@@ -307,7 +285,7 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
     if not isinstance(specs, list):
         raise ConfigError("transform must be an array of tables: write [[transform]], not [transform]")
     if values["pipeline"] is None:
-        transforms.validate_transforms(specs)
+        transformspec.validate_transforms(specs)
     elif specs:
         raise ConfigError("use either [pipeline] callable (--pipeline) or [[transform]] entries, not both")
     if values["mode"] == "eval":
@@ -317,7 +295,7 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
 
 def _check_eval(specs: list, sources: tuple[dict, ...]) -> None:
     """An evaluation job reads every sample once, as it is: nothing random, nothing weighted."""
-    random = transforms.random_steps(specs) if specs else []
+    random = transformspec.random_steps(specs) if specs else []
     if random:
         raise ConfigError(
             f'{random[0]} is random, but [job] mode = "eval" reads every sample as it is: use '

@@ -241,7 +241,7 @@ SETTINGS: tuple[Setting, ...] = (
         help="the JPEG decoder: auto (the fastest installed), turbojpeg (libjpeg-turbo decodes only the crop's "
         "region), simplejpeg (libjpeg-turbo, whole image), or pillow; each gives slightly different pixels",
         default="auto",
-        choices=("auto", *DECODERS),  # resolved, and checked installed, by prefetchd.workers.transforms.resolve_decoder
+        choices=("auto", *DECODERS),  # resolved, and checked installed, by prefetchd.workers.decoders.resolve_decoder
     ),
     # -- [daemon]: how this node serves it
     Setting(

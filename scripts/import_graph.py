@@ -46,7 +46,8 @@ LAYERS: dict[str, set[str]] = {  # folder -> the folders it may import (besides 
 }
 ALLOWED_EDGES = {
     ("prefetchd.__main__", "prefetchd.cli.app"): "the entry point runs the command",
-    ("prefetchd.config", "prefetchd.workers.transforms"): "a config's [[transform]] is checked by the ops themselves",
+    ("prefetchd.config", "prefetchd.workers.transformspec"): "a config's [[transform]] is checked by the ops' keys",
+    ("prefetchd.config", "prefetchd.workers.decoders"): "a config's decoder is checked installed",
     ("prefetchd.config", "prefetchd.sources.kinds"): "a config's [[source]] is checked against its kind's row",
 }
 # The worker side is started as fresh processes: none of it may load the master's machinery,

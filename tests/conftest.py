@@ -18,6 +18,7 @@ import pytest
 
 from prefetchd.cli.datagen import make_image_folder
 from prefetchd.cli.launch import stop_job
+from prefetchd.master.daemon import ONE_THREAD_PER_PROCESS
 from prefetchd_client.layout import JobPaths
 from prefetchd_client.locks import daemon_alive
 from prefetchd_client.manifest import read_manifest
@@ -26,6 +27,9 @@ from tests.crossusers import ALICE, MALLORY, User, ensure_user, python_for, remo
 REPO = Path(__file__).resolve().parent.parent  # the checkout: examples/, configs/, docs/, build/
 SHM = "/dev/shm"
 JOB_ROOT_PREFIX = "prefetchd-test-"  # each test's private job root under SHM
+# The trainers and commands the tests start run one BLAS thread each, as the daemon's processes
+# do: numpy's thread per core spins ~0.1 s of CPU at each import, hundreds of times in a run.
+os.environ.update(ONE_THREAD_PER_PROCESS)
 
 
 def pytest_collection_modifyitems(items):

@@ -48,7 +48,7 @@ from rich.console import Console
 from prefetchd.bench.common import Settings
 from prefetchd.errors import ExitCode
 from prefetchd.settings import DECODERS, default_workers
-from prefetchd.workers.transforms import resolve_decoder
+from prefetchd.workers.decoders import resolve_decoder
 
 TORCH_MISSING = "prefetchd bench compares with torch's DataLoader, and torch does not import here"
 TORCH_INSTALL = "pip install torch"

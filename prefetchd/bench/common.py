@@ -19,7 +19,7 @@ import numpy as np
 
 from prefetchd.cli.datagen import make_image
 from prefetchd.settings import DECODERS
-from prefetchd.workers.transforms import resolve_decoder
+from prefetchd.workers.decoders import resolve_decoder
 
 RECIPES = {
     "rrc": [{"op": "random_resized_crop", "size": 224}, {"op": "hflip"}],

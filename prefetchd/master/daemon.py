@@ -29,6 +29,12 @@ if TYPE_CHECKING:
 # parsed its flags and read its config (well under a second); a command stopped (Ctrl-Z) or hung
 # for longer gets the daemon's refusal when it goes on.
 ORDER_TIMEOUT_S = 120.0
+# The daemon's processes run one thread each, as DataLoader runs its workers (torch's threads set
+# to 1): one worker per core already. Read by the BLAS and OpenMP runtimes when they load, so set
+# before numpy is imported. Without it, the BLAS under numpy starts a thread per core in every
+# process, each spinning ~0.1 s of CPU at import: a worker server, a daemon, a user's pipeline
+# module that uses torch would each pay it, and the trainer's cores with them.
+ONE_THREAD_PER_PROCESS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def serve(
@@ -80,6 +86,7 @@ def _begin() -> sdnotify.Notifier:
     taken out of the environment, then the worker server, which boots (imports) beside the
     daemon's own start-up and whose workers inherit the umask but never $NOTIFY_SOCKET."""
     os.umask(0o077)  # whatever the daemon or a library creates (the socket, logs) is the user's alone
+    os.environ.update(ONE_THREAD_PER_PROCESS)  # before numpy loads here, and inherited by the worker server
     manager = sdnotify.Notifier.from_environment()  # silent on a second call: the variables are gone
     workerserver.start()
     return manager

@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 
-from prefetchd.config import Config, content_hash, plan_digest
+from prefetchd.config import Config, content_hash
 from prefetchd.errors import ConfigError, DataError
 from prefetchd.plan import Plan
 from prefetchd.sizes import format_size
@@ -24,6 +24,28 @@ from prefetchd_client.layout import JobPaths
 from prefetchd_client.manifest import MANIFEST_VERSION
 
 
+def plan_digest(config: Config, plan: dict, data_fingerprint: str) -> str:
+    """Identifies everything that decides a batch's bytes; a batch is of this job only if it
+    carries this digest.
+
+    Unlike the config hash (what a resume state must match), nothing is left out: world size,
+    batch size, drop_last, weights and mix rule (all in ``plan``, ``Plan.to_json()``), the
+    data, the source names (a batch's per-source counts), the transforms or the pipeline
+    callable, the decoder, and the batch format version. A daemon restarted with any of them
+    changed must not adopt the batches the previous one left.
+    """
+    decides = {
+        "format_version": BATCH_FORMAT_VERSION,
+        "plan": plan,
+        "data": data_fingerprint,
+        "sources": [s["name"] for s in config.sources],
+        "transforms": list(config.transforms),
+        "pipeline": config.pipeline,
+        "decoder": config.decoder,
+    }
+    return content_hash(decides)
+
+
 @dataclass(frozen=True)
 class Job:
     """A job's fixed facts: the same from its first batch to its last."""
@@ -34,7 +56,7 @@ class Job:
     source_names: list[str]
     content: dict  # what a resume state must match (Config.content)
     config_hash: str
-    plan_digest: str  # what a batch's bytes depend on (config.plan_digest)
+    plan_digest: str  # what a batch's bytes depend on (plan_digest)
     spec: ProducerSpec
 
     def batch_name(self, rank: int, index: int) -> str:

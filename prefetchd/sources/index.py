@@ -24,16 +24,13 @@ from pathlib import Path
 import numpy as np
 
 from prefetchd.errors import DataError
+from prefetchd.sources.places import FILE
 
 # torchvision's ImageFolder extensions.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 _FILES = ("paths.npy", "offsets.npy", "labels.npy")
 _CONTAINER_FILES = ("kinds.npy", "members.npy")
 
-# Where a sample's image lies (SampleIndex.kinds); ``members`` says where in its container.
-FILE = 0  # the whole file at its path (members unused)
-TAR_MEMBER = 1  # members = (byte offset, size) of the image member in the tar at its path; negative: shards._NO_IMAGE
-PARQUET_ROW = 2  # members = (row group, row within it) of the Parquet file at its path
 NO_LABEL = -1  # a container sample without a label: a bad sample when it is read
 
 

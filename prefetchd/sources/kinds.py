@@ -14,7 +14,7 @@ import importlib
 from dataclasses import dataclass, field
 from functools import cache
 
-from prefetchd.sources.index import FILE, PARQUET_ROW, TAR_MEMBER
+from prefetchd.sources.places import FILE, PARQUET_ROW, TAR_MEMBER
 
 COMMON_KEYS = ("kind", "name", "weight")  # what every kind's table may hold besides its own keys
 

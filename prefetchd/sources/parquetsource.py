@@ -25,8 +25,9 @@ import numpy as np
 
 from prefetchd import stopsignals
 from prefetchd.errors import ConfigError, DataError
-from prefetchd.sources.index import NO_LABEL, PARQUET_ROW, SampleIndex
+from prefetchd.sources.index import NO_LABEL, SampleIndex
 from prefetchd.sources.parquetpages import column_leaf
+from prefetchd.sources.places import PARQUET_ROW
 
 IMAGE_TYPES = (
     "binary (large, view or dictionary-encoded too), or a struct with such a 'bytes' field (Hugging Face's Image)"

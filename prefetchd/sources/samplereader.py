@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 
 from prefetchd.sources import kinds
-from prefetchd.sources.index import FILE, NO_LABEL, SampleBytes, SampleIndex
+from prefetchd.sources.index import NO_LABEL, SampleBytes, SampleIndex
+from prefetchd.sources.places import FILE
 
 
 class SampleReader:

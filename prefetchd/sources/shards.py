@@ -25,7 +25,8 @@ import numpy as np
 
 from prefetchd import stopsignals
 from prefetchd.errors import DataError
-from prefetchd.sources.index import MAX_FILE_BYTES, NO_LABEL, TAR_MEMBER, SampleBytes, SampleIndex, open_data_file
+from prefetchd.sources.index import MAX_FILE_BYTES, NO_LABEL, SampleBytes, SampleIndex, open_data_file
+from prefetchd.sources.places import TAR_MEMBER
 from prefetchd.sources.shardcache import _cache_file, _load_cached, _save_cached
 
 log = logging.getLogger(__name__)

@@ -20,24 +20,16 @@ Files that are not JPEG, CMYK JPEGs and JPEGs libjpeg-turbo cannot read go throu
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import numpy as np
 from PIL import Image
 
+from prefetchd.workers.decoders import LIBRARIES, broken_advice, install_advice
+
 # Imported on first use (a worker of a job that asked for this decoder): the CLI and the
 # master never pay for OpenCV.
 cv2 = simplejpeg = None
-LIBRARIES = ("cv2", "simplejpeg")  # what the decoder imports: checked by the command, preloaded by the worker server
-
-
-def check_installed() -> None:
-    """Say how to install the decoder's libraries (ImportError) unless both are found. The
-    command and the master check this much; a worker imports them (require)."""
-    for module in LIBRARIES:
-        if importlib.util.find_spec(module) is None:
-            raise ImportError(_install_advice(module))
 
 
 def require() -> None:
@@ -51,28 +43,11 @@ def require() -> None:
         _cv2.setNumThreads(1)  # one worker process per core already: no thread pool inside each
     except ModuleNotFoundError as exc:
         if exc.name in LIBRARIES:
-            raise ImportError(_install_advice(exc.name)) from None
-        raise ImportError(_broken_advice(exc)) from None
-    except Exception as exc:  # noqa: BLE001 - found by check_installed, but broken: whatever it raises
-        raise ImportError(_broken_advice(exc)) from None
+            raise ImportError(install_advice(exc.name)) from None
+        raise ImportError(broken_advice(exc)) from None
+    except Exception as exc:  # noqa: BLE001 - found by decoders.resolve_decoder, but broken: whatever it raises
+        raise ImportError(broken_advice(exc)) from None
     cv2, simplejpeg = _cv2, _simplejpeg
-
-
-def _broken_advice(exc: Exception) -> str:
-    """A library that is there (a system library it needs missing, a build for another numpy,
-    a leftover folder of an uninstalled wheel): what failed, and the fix."""
-    return (
-        f"decoder = 'simplejpeg' or 'turbojpeg' needs OpenCV and simplejpeg, which are installed but do not "
-        f"load ({type(exc).__name__}: {exc}): reinstall them (pip install --force-reinstall "
-        "opencv-python-headless simplejpeg), or use decoder = 'pillow'"
-    )
-
-
-def _install_advice(missing: str | None) -> str:
-    return (
-        f"decoder = 'simplejpeg' or 'turbojpeg' needs simplejpeg and OpenCV ({missing} is missing): "
-        "pip install opencv-python-headless simplejpeg, or use decoder = 'pillow'"
-    )
 
 
 def jpeg_size(data: bytes) -> tuple[int, int] | None:

@@ -24,9 +24,11 @@ from PIL import Image
 
 from prefetchd.errors import describe
 from prefetchd.plan import Plan
-from prefetchd.sources.index import FILE, SampleIndex
+from prefetchd.sources.index import SampleIndex
+from prefetchd.sources.places import FILE
 from prefetchd.sources.samplereader import SampleReader
-from prefetchd.workers.transforms import ImagePipeline, validate_transforms
+from prefetchd.workers.transforms import ImagePipeline
+from prefetchd.workers.transformspec import validate_transforms
 from prefetchd_client.batchfile import PREAMBLE, BatchBuffer, BatchLayout, BatchWriter, FieldSpec, content_digest
 from prefetchd_client.layout import JobPaths, batch_name
 from prefetchd_client.text import printable

@@ -25,12 +25,6 @@ from prefetchd.workers import fastdecode, tjlib
 from prefetchd.workers.tjlib import Region, ScalingFactor, get
 
 
-def check_installed() -> None:
-    """Load libturbojpeg 3 (a few milliseconds) and find OpenCV, or say how to install them."""
-    fastdecode.check_installed()
-    tjlib.load()
-
-
 def require() -> None:
     """Load libturbojpeg 3 and OpenCV (which resamples the region), or say how to install them."""
     fastdecode.require()

@@ -1,18 +1,6 @@
 """Per-sample image augmentation: one header read, one (drafted) decode, one resample.
 
-Ops, their keys and defaults (``size`` is an int for a square, or [height, width]):
-
-    random_resized_crop  size (required), scale [0.08, 1.0], ratio [3/4, 4/3]
-                         torchvision's algorithm: 10 tries with a log-uniform aspect
-                         ratio, then a centre crop clamped to the ratio range.
-    resize_short         size (fixed shortest side), or min and max (shortest side
-                         drawn as an integer uniform in [min, max]); exactly one form.
-    random_crop          size
-    center_crop          size
-    hflip                p 0.5
-    color_jitter         brightness 0, contrast 0, saturation 0; each factor uniform in
-                         [max(0, 1 - x), 1 + x], applied in that order (PIL.ImageEnhance
-                         Brightness, Contrast, Color).
+The ops, their keys and defaults: prefetchd.workers.transformspec (what a config is checked with).
 
 The geometric ops are all crops, scales and flips, so they compose into one crop box in
 source-image coordinates, one output size and a flip flag. That plan is computed from the
@@ -37,197 +25,23 @@ import io
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 import numpy as np
 from PIL import Image, ImageEnhance
 
-from prefetchd.errors import ConfigError
-from prefetchd.settings import DECODERS
 from prefetchd.workers import fastdecode, roidecode, tjlib
+from prefetchd.workers.decoders import resolve_decoder
+from prefetchd.workers.transformspec import parse_transforms
 
 Box = tuple[float, float, float, float]  # (left, top, right, bottom) in source pixels
 
 # Only these decoders ever see a file: a crafted file cannot reach Pillow's rarer, less
 # hardened plugins. Pillow's pixel limit (Image.MAX_IMAGE_PIXELS) stays on.
 ALLOWED_FORMATS = ("JPEG", "PNG", "WEBP", "BMP", "PPM", "TIFF")
-# The decoders besides Pillow, by name: each module has check_installed() (the command's and
-# the master's check, which imports no OpenCV), require() (a worker's import), jpeg_size() and
-# decode_resampled(); files they decline (not JPEG, CMYK, damaged) go through Pillow.
+# The decoders besides Pillow (decoders.NATIVE), by name: each module has require() (a worker's
+# import), jpeg_size() and decode_resampled(); files they decline (not JPEG, CMYK, damaged) go
+# through Pillow. Whether they are installed is decoders.resolve_decoder's check.
 NATIVE_DECODERS = {"simplejpeg": fastdecode, "turbojpeg": roidecode}
-
-
-def resolve_decoder(name: str) -> str:
-    """The decoder a job runs with: ``name``, checked installed (ImportError saying how to
-    install it), or for "auto" the fastest one installed here. Checked, not imported: OpenCV
-    alone costs ~0.2 s of CPU, which `prefetchd start` need not pay; a worker imports it."""
-    if name == "auto":
-        for candidate in reversed(DECODERS):  # fastest first
-            try:
-                return resolve_decoder(candidate)
-            except ImportError:
-                continue
-    if name not in DECODERS:
-        raise ValueError(f"decoder must be one of {DECODERS}, got {name!r}")
-    if name in NATIVE_DECODERS:
-        NATIVE_DECODERS[name].check_installed()
-    return name
-
-
-# ---------------------------------------------------------------- config schema
-
-
-def _is_number(v: Any) -> bool:
-    # TOML booleans are Python bools, which are ints; never accept them as numbers.
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _is_positive_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v > 0
-
-
-def _positive_int(v: Any) -> int:
-    if _is_positive_int(v):
-        return v
-    raise ValueError(f"must be a positive integer, got {v!r}")
-
-
-def _size(v: Any) -> tuple[int, int]:
-    """int -> square; [height, width] -> as given. Returns (height, width)."""
-    if _is_positive_int(v):
-        return v, v
-    if isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_positive_int(x) for x in v):
-        return v[0], v[1]
-    raise ValueError(f"must be a positive integer or a list [height, width] of positive integers, got {v!r}")
-
-
-def _range(v: Any, high_max: float) -> tuple[float, float]:
-    if isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_number(x) for x in v) and 0 < v[0] <= v[1] <= high_max:
-        return float(v[0]), float(v[1])
-    bound = "" if high_max == math.inf else f" <= {high_max:g}"
-    raise ValueError(f"must be a list [low, high] with 0 < low <= high{bound}, got {v!r}")
-
-
-def _scale(v: Any) -> tuple[float, float]:
-    return _range(v, 1.0)  # fractions of the image area
-
-
-def _ratio(v: Any) -> tuple[float, float]:
-    return _range(v, math.inf)  # width / height
-
-
-def _probability(v: Any) -> float:
-    if _is_number(v) and 0 <= v <= 1:
-        return float(v)
-    raise ValueError(f"must be a number in [0, 1], got {v!r}")
-
-
-def _strength(v: Any) -> float:
-    if _is_number(v) and v >= 0:
-        return float(v)
-    raise ValueError(f"must be a number >= 0, got {v!r}")
-
-
-_REQUIRED = object()
-
-
-@dataclass(frozen=True)
-class Key:
-    """One config key of an op."""
-
-    parse: Callable[[Any], Any]  # returns the normalised value or raises ValueError
-    default: Any = None  # _REQUIRED, None (optional, no default) or a value
-
-
-# Op name -> its keys. resize_short's "size or min/max" rule is checked separately.
-OPS: dict[str, dict[str, Key]] = {
-    "random_resized_crop": {
-        "size": Key(_size, _REQUIRED),
-        "scale": Key(_scale, (0.08, 1.0)),
-        "ratio": Key(_ratio, (3 / 4, 4 / 3)),
-    },
-    "resize_short": {"size": Key(_positive_int), "min": Key(_positive_int), "max": Key(_positive_int)},
-    "random_crop": {"size": Key(_size, _REQUIRED)},
-    "center_crop": {"size": Key(_size, _REQUIRED)},
-    "hflip": {"p": Key(_probability, 0.5)},
-    "color_jitter": {
-        "brightness": Key(_strength, 0.0),
-        "contrast": Key(_strength, 0.0),
-        "saturation": Key(_strength, 0.0),
-    },
-}
-_FIXED_SIZE_OPS = ("random_resized_crop", "random_crop", "center_crop")
-
-
-def _parse_one(i: int, spec: Any) -> tuple[str, dict[str, Any]]:
-    if not isinstance(spec, dict):
-        raise ConfigError(f'transform #{i} must be a table like {{op = "center_crop", size = 224}}, got {spec!r}')
-    known_ops = ", ".join(sorted(OPS))
-    if "op" not in spec:
-        raise ConfigError(f"transform #{i} has no 'op' key; known ops: {known_ops}")
-    op = spec["op"]
-    if not isinstance(op, str) or op not in OPS:
-        raise ConfigError(f"unknown transform op {op!r} in transform #{i}; known ops: {known_ops}")
-    keys = OPS[op]
-    where = f"transform #{i} ({op})"
-    params: dict[str, Any] = {}
-    for name, value in spec.items():
-        if name == "op":
-            continue
-        if name not in keys:
-            raise ConfigError(f"{where}: unknown key {name!r}; known keys: {', '.join(keys)}")
-        try:
-            params[name] = keys[name].parse(value)
-        except ValueError as e:
-            raise ConfigError(f"{where}: key {name!r} {e}") from None
-    for name, key in keys.items():
-        if name not in params:
-            if key.default is _REQUIRED:
-                raise ConfigError(f"{where}: missing required key {name!r}")
-            params[name] = key.default
-    if op == "resize_short":
-        fixed, lo, hi = params["size"], params["min"], params["max"]
-        if (fixed is None) == (lo is None and hi is None) or (lo is None) != (hi is None):
-            raise ConfigError(
-                f"{where}: give either 'size' (fixed shortest side) or both 'min' and 'max' "
-                f"(random shortest side), not both forms and not half of one"
-            )
-        if fixed is None and lo > hi:
-            raise ConfigError(f"{where}: 'min' ({lo}) must not exceed 'max' ({hi})")
-    return op, params
-
-
-def _parse(specs: Any) -> tuple[list[tuple[str, dict[str, Any]]], tuple[int, int]]:
-    if not isinstance(specs, (list, tuple)):
-        raise ConfigError(f"transforms must be a list of tables, got {type(specs).__name__}")
-    steps = [_parse_one(i, spec) for i, spec in enumerate(specs, start=1)]
-    sizing = [(op, p) for op, p in steps if op in _FIXED_SIZE_OPS or op == "resize_short"]
-    if not sizing or sizing[-1][0] == "resize_short":
-        raise ConfigError(
-            "transforms must end with a fixed output size so samples can be batched: add a "
-            "center_crop, random_crop or random_resized_crop (after any resize_short)"
-        )
-    return steps, sizing[-1][1]["size"]
-
-
-def random_steps(specs: list[dict]) -> list[str]:
-    """The steps that draw from the sample's generator, as ``transform #i (op)``: an evaluation
-    job reads every sample as it is, and refuses them."""
-    random = []
-    for i, (op, p) in enumerate(_parse(specs)[0], start=1):
-        if (
-            op in ("random_resized_crop", "random_crop")
-            or (op == "resize_short" and p["size"] is None)
-            or (op == "hflip" and p["p"] > 0)
-            or (op == "color_jitter" and any(p.values()))
-        ):
-            random.append(f"transform #{i} ({op})")
-    return random
-
-
-def validate_transforms(specs: list[dict]) -> tuple[int, int]:
-    """Check the transform list; return the fixed output (height, width) or raise ConfigError."""
-    return _parse(specs)[1]
 
 
 # ---------------------------------------------------------------- geometry planning
@@ -367,7 +181,7 @@ class ImagePipeline:
     """
 
     def __init__(self, specs: list[dict], decoder: str = "pillow"):
-        self._steps, (h, w) = _parse(specs)  # exactly validate_transforms' checks
+        self._steps, (h, w) = parse_transforms(specs)  # exactly validate_transforms' checks
         self.output_shape: tuple[int, int, int] = (h, w, 3)
         self.decoder = resolve_decoder(decoder)  # a job's was resolved when its config was built
         self._native = NATIVE_DECODERS.get(self.decoder)

@@ -109,7 +109,7 @@ def _preload_decoder_libraries() -> None:
     raises anything else (a RuntimeError: built against another numpy) killed it, and with it
     every worker, whatever the job's decoder. Here any failure is skipped; a worker of a job that
     needs the library imports it again and says why, and how to fix it (fastdecode.require)."""
-    from prefetchd.workers.fastdecode import LIBRARIES  # in the server only: the daemon's start waits for none
+    from prefetchd.workers.decoders import LIBRARIES  # in the server only: the daemon's start waits for none
 
     for name in LIBRARIES:
         try:

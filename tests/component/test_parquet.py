@@ -15,9 +15,10 @@ pq = pytest.importorskip("pyarrow.parquet")
 
 from prefetchd.cli.datagen import make_image  # noqa: E402
 from prefetchd.errors import ConfigError, DataError  # noqa: E402
-from prefetchd.sources.index import NO_LABEL, PARQUET_ROW  # noqa: E402
+from prefetchd.sources.index import NO_LABEL  # noqa: E402
 from prefetchd.sources.parquetrows import ParquetRows  # noqa: E402
 from prefetchd.sources.parquetsource import scan_parquet  # noqa: E402
+from prefetchd.sources.places import PARQUET_ROW  # noqa: E402
 
 pytestmark = pytest.mark.timeout(30)
 WHERE = "[[source]] #1 (parquet)"

@@ -17,7 +17,8 @@ import pytest
 from prefetchd.cli.datagen import make_image
 from prefetchd.errors import DataError
 from prefetchd.sources import shards
-from prefetchd.sources.index import NO_LABEL, TAR_MEMBER
+from prefetchd.sources.index import NO_LABEL
+from prefetchd.sources.places import TAR_MEMBER
 from tests.component.test_shards_fuzz import run_seeds
 
 pytestmark = pytest.mark.timeout(60)

@@ -15,7 +15,8 @@ from PIL import Image, ImageEnhance
 from prefetchd.errors import ConfigError
 from prefetchd.settings import DECODERS
 from prefetchd.sources.index import read_image_file
-from prefetchd.workers.transforms import NATIVE_DECODERS, OPS, ImagePipeline, validate_transforms
+from prefetchd.workers.transforms import NATIVE_DECODERS, ImagePipeline
+from prefetchd.workers.transformspec import OPS, validate_transforms
 from tests.conftest import REPO
 
 NATIVE = sorted(NATIVE_DECODERS)
@@ -446,13 +447,15 @@ def test_module_does_not_import_torch():
 
 
 def test_every_decoder_setting_names_a_decoder_of_the_table():
-    """settings.DECODERS (the names `--decoder` takes, which the command reads without importing
-    a decoder) and transforms.NATIVE_DECODERS (the modules) describe one table: Pillow plus each
-    native decoder, and each of those has the four functions the workers and the command call."""
+    """settings.DECODERS (the names `--decoder` takes), decoders.NATIVE (what the command checks
+    installed without importing a decoder) and transforms.NATIVE_DECODERS (the modules) describe
+    one table: Pillow plus each native decoder, and each of those has the three functions the
+    workers call."""
     from prefetchd.settings import DECODERS
+    from prefetchd.workers.decoders import NATIVE
     from prefetchd.workers.transforms import NATIVE_DECODERS
 
-    assert set(DECODERS) == {"pillow", *NATIVE_DECODERS}
+    assert set(DECODERS) == {"pillow", *NATIVE_DECODERS} == {"pillow", *NATIVE}
     for name, module in NATIVE_DECODERS.items():
-        for function in ("check_installed", "require", "jpeg_size", "decode_resampled"):
+        for function in ("require", "jpeg_size", "decode_resampled"):
             assert callable(getattr(module, function, None)), f"{name}: {module.__name__}.{function}"

@@ -15,7 +15,7 @@ import zmq.auth
 from prefetchd import settings
 from prefetchd.config import Config, build_config, load_config
 from prefetchd.errors import ConfigError
-from prefetchd.workers import transforms
+from prefetchd.workers.decoders import resolve_decoder
 from tests.conftest import REPO, cli
 
 pytestmark = pytest.mark.timeout(120)
@@ -80,7 +80,7 @@ def non_default_flags(option: str, tmp_path: Path) -> tuple[dict, object]:
 def test_every_flag_reaches_its_config_field(setting, tmp_path):
     if setting.option == "decoder":
         try:
-            transforms.resolve_decoder("simplejpeg")
+            resolve_decoder("simplejpeg")
         except ImportError:
             pytest.skip("the simplejpeg decoder is not installed")
     flags, expected = non_default_flags(setting.option, tmp_path)

@@ -34,13 +34,17 @@ BUFFER = "128K"
 # name: (script, world size = the example's ranks, K = the mid-epoch stop)
 CASES = {
     "plain_pytorch": ("plain_pytorch.py", 1, 5),
+    "lightning": ("lightning_ddp.py", 1, 5),
     "lightning_ddp": ("lightning_ddp.py", 2, 4),
     "fabric_loop": ("fabric_loop.py", 2, 4),
 }
-# Each run of a Lightning or Fabric example costs ~18 CPU-s (two ranks importing torch and the
-# framework, DDP's set-up): run A, the uninterrupted reference, is made once, by the plain loop,
-# whose run also makes the daemon regenerate what A consumed; the frameworks' B + C + D are held
-# to the plan itself. Fabric, Lightning's loop by hand, runs in the long tier.
+# Each run of a Lightning or Fabric example on two ranks costs ~18 CPU-s (two ranks importing
+# torch and the framework, DDP's set-up): run A, the uninterrupted reference, is made once, by
+# the plain loop, whose run also makes the daemon regenerate what A consumed; the frameworks'
+# B + C + D are held to the plan itself. The quick tier runs Lightning's Trainer on one device
+# (its checkpoints, its loops, its calls into the loader: what resume rests on); two DDP ranks,
+# and Fabric (Lightning's loop by hand), run in the long tier. Every rank its own data is the
+# client's and the daemon's (tests/daemon/lifecycle/test_daemon.py, two ranks and their bound).
 WITH_RUN_A = {"plain_pytorch"}
 
 
@@ -119,9 +123,9 @@ def planned(world: int) -> dict[int, list[dict]]:
     }
 
 
-def saved_loader_state(name: str, ckpt: Path) -> dict:
+def saved_loader_state(script: str, ckpt: Path) -> dict:
     state = torch.load(ckpt, weights_only=False)
-    if name == "lightning_ddp":  # Lightning keeps it with the fit loop's state
+    if script == "lightning_ddp.py":  # Lightning keeps it with the fit loop's state
         (loader_state,) = state["loops"]["fit_loop"]["state_dict"]["combined_loader"]
         return loader_state
     return state["loader"]
@@ -129,14 +133,17 @@ def saved_loader_state(name: str, ckpt: Path) -> dict:
 
 @pytest.mark.heavy
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", [*WITH_RUN_A, "lightning_ddp", pytest.param("fabric_loop", marks=pytest.mark.long)])
+@pytest.mark.parametrize(
+    "name",
+    [*WITH_RUN_A, "lightning", *(pytest.param(n, marks=pytest.mark.long) for n in ("lightning_ddp", "fabric_loop"))],
+)
 def test_example_resumes_at_the_exact_batch(name, tmp_path, jpeg_folder, job_root):
     script, world, k = CASES[name]
     paths = start_job(write_config(tmp_path, jpeg_folder, world_size=world, batch_size=BATCH, size=32, buffer=BUFFER))
     n = IMAGES // (world * BATCH)  # steps per epoch = len(loader)
     assert 0 < k < n
     common = ["job", "--epochs", str(EPOCHS), "--num-classes", "4", "--timeout", "60"]
-    if world > 1:
+    if script != "plain_pytorch.py":
         common += ["--devices", str(world)]
     a, bcd = tmp_path / "a.jsonl", tmp_path / "bcd.jsonl"
     ckpt_b, ckpt_c = tmp_path / "b.ckpt", tmp_path / "c.ckpt"
@@ -152,15 +159,15 @@ def test_example_resumes_at_the_exact_batch(name, tmp_path, jpeg_folder, job_roo
     # B: stops after K steps, mid-epoch; the loader state counts exactly the K batches trained on.
     run_example(script, *common, "--record", str(bcd), "--max-steps", str(k), "--ckpt", str(ckpt_b))
     assert [len(v) for v in records(bcd).values()] == [k] * world
-    state_b = saved_loader_state(name, ckpt_b)
+    state_b = saved_loader_state(script, ckpt_b)
     assert (state_b["epoch"], state_b["samples_consumed"]) == (0, k * world * BATCH)
 
     # C: resumes from B, stops exactly at the epoch boundary (K = len(loader)).
-    extra = ["--ckpt-dir", str(tmp_path / "mc")] if name == "lightning_ddp" else []
+    extra = ["--ckpt-dir", str(tmp_path / "mc")] if script == "lightning_ddp.py" else []
     c_args = ["--resume", str(ckpt_b), "--max-steps", str(n), "--ckpt", str(ckpt_c), *extra]
     run_example(script, *common, "--record", str(bcd), *c_args)
     assert [len(v) for v in records(bcd).values()] == [n] * world
-    state_c = saved_loader_state(name, ckpt_c)
+    state_c = saved_loader_state(script, ckpt_c)
     assert (state_c["epoch"], state_c["samples_consumed"]) == (1, 0)  # the whole of epoch 0 was trained on
     before_d = bcd.read_text()
 
@@ -168,7 +175,7 @@ def test_example_resumes_at_the_exact_batch(name, tmp_path, jpeg_folder, job_roo
     run_example(script, *common, "--record", str(bcd), "--resume", str(ckpt_c))
     assert records(bcd) == records(a), "B + C + D differ from the uninterrupted run"
 
-    if name == "lightning_ddp":
+    if script == "lightning_ddp.py":
         # ModelCheckpoint's end-of-epoch checkpoint from C: Lightning does not load the loader
         # state from it (the run is not "restarting"); Lightning calls loader.sampler.set_epoch, which gets it right.
         (epoch_end,) = (tmp_path / "mc").iterdir()
