@@ -28,9 +28,6 @@ from prefetchd import messages, stopsignals
 from prefetchd.errors import DaemonStop, ExitCode, JobError
 from prefetchd.master.job import Job
 from prefetchd.master.jobdir import ensure_private_dir
-from prefetchd.remote import raycluster
-from prefetchd.remote.raybridge import bridge_main
-from prefetchd.remote.rayinstance import end_instance
 from prefetchd.workers import workerserver
 from prefetchd.workers.worker import HEARTBEAT_S, worker_main
 from prefetchd_client.batchfile import FieldSpec
@@ -104,6 +101,8 @@ class WorkerPool:
             self.slots.extend(self._spawn_bridge())
 
     def _spawn_bridge(self) -> list[WorkerSlot]:
+        from prefetchd.remote.raybridge import bridge_main  # the Ray executor's machinery: only where it runs
+
         cfg = self.job.config
         ctx = multiprocessing.get_context("spawn")
         pipes = [ctx.Pipe() for _ in range(cfg.ray_workers)]
@@ -138,6 +137,8 @@ class WorkerPool:
         (mkdtemp: nobody can have made it first) in $XDG_RUNTIME_DIR, else in the temp folder
         ($TMPDIR, /tmp). Ray chmods its temp folder 0777: the 0700 folder above keeps others out.
         What a previous instance left in <job>/ray (a killed daemon's) is ended and removed first."""
+        from prefetchd.remote import raycluster
+
         self._end_private_ray()
         bases = [b for b in (os.environ.get("XDG_RUNTIME_DIR", ""), tempfile.gettempdir()) if os.path.isabs(b)]
         candidates = [self.job.paths.dir / _RAY_FOLDER, *(Path(b) / _RAY_RUNTIME_PREFIX for b in bases)]
@@ -172,6 +173,8 @@ class WorkerPool:
                 return
         except FileNotFoundError:
             return
+        from prefetchd.remote.rayinstance import end_instance  # psutil: only where a Ray instance was
+
         ended = end_instance(str(folder))
         if ended:
             log.info("ended %d processes of the private Ray instance: %s", len(ended), ended[:20])
@@ -226,6 +229,8 @@ class WorkerPool:
                     )
             multiprocessing.connection.wait([s.conn for s in self.slots], timeout=0.2)
         if any(s.kind == "ray" and not s.ready for s in self.slots):
+            from prefetchd.remote import raycluster
+
             said = raycluster.reason_in_logs(self._ray_folder and str(self._ray_folder) + _RAY_TEMP_SUFFIX)
             raise JobError(
                 f"the Ray bridge did not connect to {self.job.config.ray_address} and check its nodes within "
