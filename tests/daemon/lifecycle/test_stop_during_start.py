@@ -62,7 +62,10 @@ def _check_outcome(proc: subprocess.Popen, stderr: str, step: str, refused: str)
         assert refused in stderr, stderr
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+# Each variant starts five real daemons. The quick tier stops a foreground start with SIGTERM and
+# a detached one through its command; Ctrl-C's SIGINT and a SIGTERM to the detached daemon itself,
+# which take the same paths (stopsignals), run in the long tier.
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGINT, marks=pytest.mark.long)])
 def test_a_stop_signal_at_each_step_of_a_foreground_start(tmp_path, jpeg_folder, job_root, sig):
     config = write_config(tmp_path, jpeg_folder, workers=2)
     for step in STEPS:
@@ -85,7 +88,7 @@ def test_a_stop_signal_at_each_step_of_a_foreground_start(tmp_path, jpeg_folder,
         _check_nothing_left([proc.pid], job_root, f"at its {step}")
 
 
-@pytest.mark.parametrize("target", ["daemon", "command"])
+@pytest.mark.parametrize("target", [pytest.param("daemon", marks=pytest.mark.long), "command"])
 def test_a_stop_signal_at_each_step_of_a_detached_start(tmp_path, jpeg_folder, job_root, target):
     # SIGTERM to the launched daemon, or to `prefetchd start` itself, which then cancels the start
     # (a job announced a moment before stops at once: the user saw none start).

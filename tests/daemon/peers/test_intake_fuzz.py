@@ -128,9 +128,9 @@ def read_all(job: str, rank: int, epochs: int) -> list[dict]:
 
 
 # Generating a hostile message costs Hypothesis ~16 ms (recursive JSON values): 2,500 of them took
-# 41 s, most of this test. The quick tier sends 250; the long tier the 2,500 that found the bugs.
+# 41 s, most of this test. The quick tier sends 100; the long tier the 2,500 that found the bugs.
 @pytest.mark.heavy
-@pytest.mark.parametrize("messages", [250, pytest.param(2500, marks=pytest.mark.long)])
+@pytest.mark.parametrize("messages", [100, pytest.param(2500, marks=pytest.mark.long)])
 def test_fuzzed_intakes_leave_the_daemon_serving_identical_batches(tmp_path, jpeg_folder, serve, messages):
     job = serve(write_config(tmp_path, jpeg_folder, world_size=2, batch_size=4, buffer="2M"))
     paths = job.paths

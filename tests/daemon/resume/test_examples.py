@@ -42,8 +42,9 @@ CASES = {
 # torch and the framework, DDP's set-up): run A, the uninterrupted reference, is made once, by
 # the plain loop, whose run also makes the daemon regenerate what A consumed; the frameworks'
 # B + C + D are held to the plan itself. The quick tier runs Lightning's Trainer on one device
-# (its checkpoints, its loops, its calls into the loader: what resume rests on); two DDP ranks,
-# and Fabric (Lightning's loop by hand), run in the long tier. Every rank its own data is the
+# (its checkpoints, its loops, its calls into the loader: what resume rests on); two DDP ranks
+# with a resume from ModelCheckpoint's end-of-epoch file, and Fabric (Lightning's loop by hand),
+# run in the long tier. Every rank its own data is the
 # client's and the daemon's (tests/daemon/lifecycle/test_daemon.py, two ranks and their bound).
 WITH_RUN_A = {"plain_pytorch"}
 
@@ -163,7 +164,7 @@ def test_example_resumes_at_the_exact_batch(name, tmp_path, jpeg_folder, job_roo
     assert (state_b["epoch"], state_b["samples_consumed"]) == (0, k * world * BATCH)
 
     # C: resumes from B, stops exactly at the epoch boundary (K = len(loader)).
-    extra = ["--ckpt-dir", str(tmp_path / "mc")] if script == "lightning_ddp.py" else []
+    extra = ["--ckpt-dir", str(tmp_path / "mc")] if name == "lightning_ddp" else []
     c_args = ["--resume", str(ckpt_b), "--max-steps", str(n), "--ckpt", str(ckpt_c), *extra]
     run_example(script, *common, "--record", str(bcd), *c_args)
     assert [len(v) for v in records(bcd).values()] == [n] * world
@@ -175,7 +176,7 @@ def test_example_resumes_at_the_exact_batch(name, tmp_path, jpeg_folder, job_roo
     run_example(script, *common, "--record", str(bcd), "--resume", str(ckpt_c))
     assert records(bcd) == records(a), "B + C + D differ from the uninterrupted run"
 
-    if script == "lightning_ddp.py":
+    if name == "lightning_ddp":  # a fifth run of Lightning (~8 CPU-s): the long tier's
         # ModelCheckpoint's end-of-epoch checkpoint from C: Lightning does not load the loader
         # state from it (the run is not "restarting"); Lightning calls loader.sampler.set_epoch, which gets it right.
         (epoch_end,) = (tmp_path / "mc").iterdir()
