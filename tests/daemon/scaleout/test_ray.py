@@ -30,7 +30,7 @@ ray = pytest.importorskip("ray")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 # One worker runs this module (--dist loadgroup, pyproject.toml): one cluster serves its tests.
-pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("ray")]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("ray"), pytest.mark.heavy]
 _STORE = 80 << 20  # each node's object store: small, and on /tmp, off the tmpfs the buffer uses
 _NODE = {"object_store_memory": _STORE, "plasma_directory": "/tmp"}
 

@@ -22,7 +22,7 @@ from tests.helpers import free_port, job_status
 
 ray = pytest.importorskip("ray")
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("ray")]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("ray"), pytest.mark.heavy]
 
 
 def _session_of(pid: int) -> list[psutil.Process]:

@@ -31,7 +31,7 @@ from tests.daemon.scaleout.test_ray_trust import _holding_files_under, _kill_all
 
 ray = pytest.importorskip("ray")
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("ray")]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("ray"), pytest.mark.heavy]
 
 
 def _ray_processes_of(start: psutil.Process) -> dict[int, psutil.Process]:

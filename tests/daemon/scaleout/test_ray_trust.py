@@ -32,7 +32,7 @@ from tests.helpers import free_port
 
 ray = pytest.importorskip("ray")
 
-pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("ray")]
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("ray"), pytest.mark.heavy]
 
 
 def _holding_files_under(folder: Path, uid: int) -> list[psutil.Process]:
