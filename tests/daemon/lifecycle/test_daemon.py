@@ -14,6 +14,7 @@ import numpy as np
 import psutil
 import pytest
 
+from prefetchd.master.daemon import ONE_THREAD_PER_PROCESS
 from prefetchd.plan import Plan
 from prefetchd_client import DaemonDied, JobNotRunning, PlanMismatch, PrefetchLoader
 from prefetchd_client.layout import JobPaths, parse_batch_name, write_progress
@@ -388,13 +389,19 @@ def test_verify_mode_refuses_a_batch_whose_bytes_were_changed(tmp_path, jpeg_fol
     loader.close()
 
 
-def test_workers_run_below_the_trainer(tmp_path, jpeg_folder, job_root):
-    """Workers take [daemon] worker_nice (default 10), so a waking trainer thread gets a core first."""
-    paths = start_job(write_config(tmp_path, jpeg_folder, workers=2))
+def test_workers_run_below_the_trainer_one_thread_each(tmp_path, jpeg_folder, job_root):
+    """Workers take [daemon] worker_nice (default 10), so a waking trainer thread gets a core first;
+    and one thread each, whatever the shell set for the trainer (numpy's BLAS would start one per core)."""
+    many = {name: "8" for name in ONE_THREAD_PER_PROCESS}
+    started = cli("start", str(write_config(tmp_path, jpeg_folder, workers=2)), env=many)
+    assert started.returncode == 0, started.stderr
+    paths = JobPaths.of("job")
     # `start` returns once one worker has booted; a worker lowers itself as it boots.
     booted = lambda: all(w["ready"] for w in job_status(paths)["workers"]["each"])  # noqa: E731
     wait_until(booted, timeout_s=60, what="both workers booted")
     assert [w.nice() for w in workers_of(paths)] == [10, 10]
+    for worker in workers_of(paths):
+        assert {name: worker.environ().get(name) for name in many} == ONE_THREAD_PER_PROCESS
     assert psutil.Process(read_manifest(paths)["pid"]).nice() == os.nice(0)  # the master is not lowered
     assert cli("stop", "job").returncode == 0
     paths = start_job(write_config(tmp_path, jpeg_folder, name="low", workers=1), "--worker-nice", "19")
