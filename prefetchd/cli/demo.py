@@ -20,6 +20,7 @@ from prefetchd import control
 from prefetchd.cli.datagen import make_image_folder
 from prefetchd.cli.launch import start_detached, stop_job
 from prefetchd.config import build_config
+from prefetchd.errors import ConfigError
 from prefetchd.sizes import format_size
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.layout import JobPaths
@@ -33,10 +34,25 @@ DEMO_TRANSFORMS = [
 DEMO_CLASSES = 10
 
 
-def demo_data(images: int) -> Path:
+DEMO_BATCH = 32  # or all the images, when there are fewer
+
+
+def demo_images(images: int) -> int:
+    """How many JPEGs ``--images N`` makes: as many per class, so a multiple of the classes."""
+    if images < DEMO_CLASSES:
+        raise ConfigError(f"--images must be at least {DEMO_CLASSES} (one per class), got {images}")
+    return images // DEMO_CLASSES * DEMO_CLASSES
+
+
+def demo_folder(images: int) -> Path:
     cache = Path(os.environ.get("PREFETCHD_CACHE", Path.home() / ".cache" / "prefetchd"))
-    folder = cache / f"demo-data-{images}"
-    return make_image_folder(folder, classes=DEMO_CLASSES, per_class=max(1, images // DEMO_CLASSES), size=(240, 480))
+    return cache / f"demo-data-{images}"
+
+
+def demo_data(images: int) -> Path:
+    """The demo's ImageFolder of ``images`` JPEGs (demo_images), generated on first use."""
+    folder = demo_folder(images)
+    return make_image_folder(folder, classes=DEMO_CLASSES, per_class=images // DEMO_CLASSES, size=(240, 480))
 
 
 def _train_step_factory():
@@ -73,21 +89,27 @@ def _train_step_factory():
 
 
 def run_demo(*, images: int, epochs: int, workers: int | None, buffer: str, root, console: Console) -> dict:
-    data = demo_data(images)
-    overrides = {"buffer": buffer, "workers": workers, "batch_size": 32}
+    images = demo_images(images)
+    if epochs < 1:
+        raise ConfigError(f"--epochs must be at least 1, got {epochs}")
+    overrides = {"buffer": buffer, "workers": workers, "batch_size": min(DEMO_BATCH, images)}
     raw = {
         "job": {"name": "demo"},
-        "source": [{"kind": "image_folder", "root": str(data)}],
+        "source": [{"kind": "image_folder", "root": str(demo_folder(images))}],
         "transform": DEMO_TRANSFORMS,
     }
     cfg = build_config(raw, base=Path.cwd(), default_name="demo", overrides=overrides)
-    # Made once the flags are read: a bad one (--buffer abc) left an empty folder in /dev/shm.
+    # Made once the flags are read: a bad one (--buffer abc) left an empty folder in /dev/shm,
+    # and generated the JPEGs (seconds) before saying so.
+    data = demo_data(images)
     own_root = root is None
     root = Path(tempfile.mkdtemp(prefix="prefetchd-demo-", dir="/dev/shm")) if own_root else Path(root)
     paths = JobPaths.of(cfg.name, root)
     console.print(f"data: {images} JPEGs in {data}; starting job {cfg.name} with {cfg.workers} worker(s) under {root}")
+    started = False
     try:
         start_detached(cfg, paths)
+        started = True
         loader = PrefetchLoader(cfg.name, root=root, rank=0, world_size=1, timeout=60)
         train_step = _train_step_factory()
         waited, seen, loss = 0.0, 0, float("nan")
@@ -116,7 +138,8 @@ def run_demo(*, images: int, epochs: int, workers: int | None, buffer: str, root
         status = control.request(paths.endpoint, {"op": "status"}) or {}
         loader.close()
     finally:
-        stop_job(paths)
+        if started:  # else stop_job's "no job running" would stand in for why the start failed
+            stop_job(paths)
         if own_root:
             shutil.rmtree(root, ignore_errors=True)
     buf = status.get("buffer", {})

@@ -94,7 +94,7 @@ def test_demo_runs_end_to_end(tmp_path, job_root):
     result = cli(
         "demo",
         "--images",
-        "80",
+        "20",  # one batch of 20: the whole path, at a tenth of the default's CPU
         "--epochs",
         "1",
         "--workers",
@@ -107,6 +107,25 @@ def test_demo_runs_end_to_end(tmp_path, job_root):
     assert result.returncode == 0, result.stderr
     assert "images/s" in result.stdout and "waited for data" in result.stdout
     assert list(job_root.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "flags, why",
+    [(["--images", "5"], "--images must be at least 10 (one per class), got 5"), (["--epochs", "0"], "--epochs must")],
+)
+def test_a_demo_too_small_to_train_is_refused_before_it_generates_anything(tmp_path, flags, why):
+    result = cli("demo", "--images", "20", *flags, env={"PREFETCHD_CACHE": str(tmp_path)})
+    assert result.returncode == 2 and why in result.stderr, result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_demo_whose_start_fails_says_why_not_that_no_job_runs(tmp_path, job_root):
+    """The demo stopped its job in a `finally`, started or not: "no prefetchd job 'demo' is
+    running" stood in for the start's own error (there, 30 images for a batch of 32)."""
+    flags = ["--images", "10", "--buffer", "1K", "--root", str(job_root)]
+    result = cli("demo", *flags, env={"PREFETCHD_CACHE": str(tmp_path)})
+    assert result.returncode == 2 and "smaller than one batch per rank" in result.stderr, result.stderr
+    assert "is running" not in result.stderr and list(job_root.iterdir()) == []
 
 
 def test_a_demo_with_a_bad_flag_leaves_no_folder(tmp_path):
