@@ -241,6 +241,7 @@ def test_a_ray_worker_killed_mid_task_costs_no_batch(cluster, job_root, jpeg_fol
     assert job_status(paths)["executor"]["state"] == "connected"
 
 
+@pytest.mark.long  # a node booted for it (~9 CPU-s); the quick tier's Ray start checks every node's fingerprint too
 def test_a_node_that_decodes_otherwise_is_refused_when_it_joins(cluster, job_root, jpeg_folder, tmp_path):
     config = pipeline_config(tmp_path, jpeg_folder, "skewed")
     node = cluster.add_node(num_cpus=1, resources={"prep": 1}, env_vars={"PREFETCHD_TEST_SKEW": "1"}, **_NODE)
