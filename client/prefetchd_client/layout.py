@@ -59,6 +59,33 @@ def resolve_root(root: str | os.PathLike | None = None) -> Path:
     return Path(env) if env else default_root()
 
 
+def root_source(root: str | os.PathLike | None = None) -> str:
+    """Where resolve_root(root) took the folder from, for a message that sends the user there."""
+    if root:
+        return "the root given"
+    if os.environ.get(ROOT_ENV):
+        return f"${ROOT_ENV}"
+    return f"the default; ${ROOT_ENV} or root= name another"
+
+
+_LISTED_JOBS = 10  # names shown by jobs_under: a root with thousands would flood the message
+
+
+def jobs_under(root: Path) -> list[str]:
+    """The job folders (those holding a manifest) directly under ``root``, sorted, at most
+    _LISTED_JOBS of them; none where it cannot be read. Names only: nothing in them is read."""
+    try:
+        with os.scandir(root) as entries:
+            names = sorted(
+                e.name
+                for e in entries
+                if e.is_dir(follow_symlinks=False) and os.path.lexists(os.path.join(e.path, MANIFEST))
+            )
+    except OSError:
+        return []
+    return names[:_LISTED_JOBS] + ([f"... {len(names) - _LISTED_JOBS} more"] if len(names) > _LISTED_JOBS else [])
+
+
 def check_job_name(name: str) -> str:
     """Job names become directory names: keep them to one safe path component."""
     if not isinstance(name, str) or not _JOB_NAME.fullmatch(name):

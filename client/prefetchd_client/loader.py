@@ -24,10 +24,11 @@ from . import batchfile, transport
 from .device import DeviceFeeder
 from .errors import AuthError, BatchFormatError, BatchTimeout, DaemonDied, JobNotRunning, PlanMismatch
 from .folders import open_job
-from .layout import MAX_EPOCH, JobPaths
+from .layout import MAX_EPOCH, JobPaths, jobs_under, root_source
 from .locks import daemon_alive, hold_trainer_lock, release_trainer_lock
 from .manifest import VersionMismatch, check_manifest, check_plan, read_manifest, read_stopped
 from .readahead import ReadAhead, Readers
+from .text import printable
 from .waits import TrainerWaits
 
 STATE_VERSION = 1
@@ -125,6 +126,7 @@ class PrefetchLoader:
         curve_client_key: str | os.PathLike | None = None,
     ):
         self._paths = JobPaths.of(job, root)
+        self._root_source = root_source(root)
         self.manifest = self._read_manifest()
         if rank is None or world_size is None:
             default_rank, default_world = _default_rank_and_world()
@@ -183,6 +185,17 @@ class PrefetchLoader:
 
     # -- setup -----------------------------------------------------------------------------
 
+    def _not_running_here(self) -> str:
+        """No job of this name under the root: which root (and where it came from), the jobs
+        that are there, and the fix."""
+        job, root = self._paths.name, self._paths.dir.parent
+        there = jobs_under(root)
+        found = f"jobs there: {printable(', '.join(there))}" if there else "no job is there"
+        return (
+            f"no prefetchd job {job!r} is running under {root} ({self._root_source}); {found}; start it with "
+            f"`prefetchd start CONFIG --name {job}`, or pass the root it runs under"
+        )
+
     def _read_manifest(self) -> dict:
         """The manifest of the live job, read in folders proven this user's (folders.open_job):
         in folders another user could have prepared (its manifest naming their socket, its
@@ -192,7 +205,7 @@ class PrefetchLoader:
         try:
             folder = open_job(self._paths)
         except FileNotFoundError:
-            raise JobNotRunning(f"no prefetchd job {job!r} is running under {root}: {hint}") from None
+            raise JobNotRunning(self._not_running_here()) from None
         with folder:
             try:
                 manifest = read_manifest(self._paths, dir_fd=folder.dir_fd)
@@ -211,7 +224,7 @@ class PrefetchLoader:
                     "restart it with `prefetchd start`"
                 )
             if manifest is None:
-                raise JobNotRunning(f"no prefetchd job {job!r} is running under {root}: {hint}")
+                raise JobNotRunning(self._not_running_here())
             raise JobNotRunning(f"the daemon of job {job!r} is not running (stale {self._paths.dir}): {hint}")
         try:
             return check_manifest(self._paths, manifest)

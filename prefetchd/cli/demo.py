@@ -138,10 +138,12 @@ def run_demo(*, images: int, epochs: int, workers: int | None, buffer: str, root
         status = control.request(paths.endpoint, {"op": "status"}) or {}
         loader.close()
     finally:
-        if started:  # else stop_job's "no job running" would stand in for why the start failed
-            stop_job(paths)
-        if own_root:
-            shutil.rmtree(root, ignore_errors=True)
+        try:
+            if started:  # else stop_job's "no job running" would stand in for why the start failed
+                stop_job(paths)
+        finally:  # whatever the stop said: the demo's own root goes
+            if own_root:
+                shutil.rmtree(root, ignore_errors=True)
     buf = status.get("buffer", {})
     result = {
         "images": seen,

@@ -119,15 +119,25 @@ def test_a_demo_too_small_to_train_is_refused_before_it_generates_anything(tmp_p
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_demo_whose_start_fails_says_why_not_that_no_job_runs(tmp_path, job_root):
+# The tests that look for a demo's own root in /dev/shm, one after the other (one of them makes one).
+_DEMO_ROOTS = pytest.mark.xdist_group("demo_roots")
+
+
+@_DEMO_ROOTS
+@pytest.mark.parametrize("own_root", [True, False], ids=["its-own-root", "root-given"])
+def test_a_demo_whose_start_fails_says_why_not_that_no_job_runs(tmp_path, job_root, own_root):
     """The demo stopped its job in a `finally`, started or not: "no prefetchd job 'demo' is
-    running" stood in for the start's own error (there, 30 images for a batch of 32)."""
-    flags = ["--images", "10", "--buffer", "1K", "--root", str(job_root)]
+    running" stood in for the start's own error (there, 30 images for a batch of 32), and the
+    demo's own root in /dev/shm, removed after that stop, was left."""
+    before = {p.name for p in Path("/dev/shm").glob("prefetchd-demo-*")}
+    flags = ["--images", "10", "--buffer", "1K", *([] if own_root else ["--root", str(job_root)])]
     result = cli("demo", *flags, env={"PREFETCHD_CACHE": str(tmp_path)})
     assert result.returncode == 2 and "smaller than one batch per rank" in result.stderr, result.stderr
     assert "is running" not in result.stderr and list(job_root.iterdir()) == []
+    assert {p.name for p in Path("/dev/shm").glob("prefetchd-demo-*")} <= before
 
 
+@_DEMO_ROOTS
 def test_a_demo_with_a_bad_flag_leaves_no_folder(tmp_path):
     """Its private root in /dev/shm was made before the flags were read: `--buffer abc` left it."""
     before = {p.name for p in Path("/dev/shm").glob("prefetchd-demo-*")}

@@ -194,9 +194,26 @@ def test_second_daemon_is_refused_and_does_not_disturb_the_first(tmp_path, jpeg_
 
 def test_client_for_a_job_that_is_not_running(job_root):
     started = time.monotonic()
-    with pytest.raises(JobNotRunning, match="prefetchd start"):
+    with pytest.raises(JobNotRunning, match="prefetchd start") as raised:
         PrefetchLoader("nothing-here")
     assert time.monotonic() - started < 3
+    assert f"under {job_root} ($PREFETCHD_ROOT); no job is there" in str(raised.value)
+
+
+def test_a_client_of_a_job_that_is_not_running_is_told_which_root_and_the_jobs_there(
+    tmp_path, jpeg_folder, serve, monkeypatch
+):
+    serve(write_config(tmp_path, jpeg_folder, name="imagenet"))
+    with pytest.raises(JobNotRunning) as raised:
+        PrefetchLoader("imagnet")  # a typo
+    assert "jobs there: imagenet;" in str(raised.value) and "($PREFETCHD_ROOT)" in str(raised.value)
+    elsewhere = tmp_path / "elsewhere"
+    with pytest.raises(JobNotRunning) as raised:
+        PrefetchLoader("imagenet", root=elsewhere)
+    assert f"under {elsewhere} (the root given); no job is there" in str(raised.value)
+    monkeypatch.delenv("PREFETCHD_ROOT")
+    with pytest.raises(JobNotRunning, match=r"\(the default; \$PREFETCHD_ROOT or root= name another\)"):
+        PrefetchLoader(f"none-{os.getpid()}")  # under the user's real default root: a name nobody runs
 
 
 def test_client_with_the_wrong_world_size_or_rank(tmp_path, jpeg_folder, serve, monkeypatch):
