@@ -21,7 +21,7 @@ from PIL import Image
 from prefetchd.cli.datagen import make_image, make_image_folder
 from prefetchd.errors import ExitCode
 from prefetchd.sources.index import scan_image_folder
-from tests.conftest import cli, wait_until
+from tests.conftest import JOB_ROOT_PREFIX, SHM, cli, wait_until
 
 wds = pytest.importorskip("webdataset")
 
@@ -97,7 +97,8 @@ def test_same_bytes_on_a_rerun_and_with_any_worker_count(folder, tmp_path):
 def test_pack_leaves_no_temporary_folder(folder, tmp_path, length):
     # Its workers come from a fork server, whose socket folder (pymp-*) lives in $TMPDIR, unless
     # that is too long for a socket's path (a batch scheduler's per-job folder): then in /tmp.
-    temp = Path(tempfile.mkdtemp(dir="/dev/shm")) if length == "short" else tmp_path / ("t" * 80)
+    short = Path(tempfile.mkdtemp(prefix=JOB_ROOT_PREFIX + "tmp-", dir=SHM))  # a test root: test_leaks.py skips it
+    temp = short if length == "short" else tmp_path / ("t" * 80)
     temp.mkdir(exist_ok=True)
     try:
         result = cli("pack", str(folder), str(tmp_path / "out"), "--workers", "2", env={"TMPDIR": str(temp)})
@@ -105,6 +106,7 @@ def test_pack_leaves_no_temporary_folder(folder, tmp_path, length):
         assert list(temp.iterdir()) == []
     finally:
         shutil.rmtree(temp, ignore_errors=True)
+        shutil.rmtree(short, ignore_errors=True)
 
 
 def test_max_short_side_shrinks_big_images_and_keeps_jpeg(tmp_path):
