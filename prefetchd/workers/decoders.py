@@ -15,7 +15,7 @@ from prefetchd.settings import DECODERS
 from prefetchd.workers import tjlib
 
 LIBRARIES = ("cv2", "simplejpeg")  # what the native decoders import: checked here, preloaded by the worker server
-NATIVE = ("simplejpeg", "turbojpeg")  # DECODERS besides Pillow: transforms.NATIVE_DECODERS holds their modules
+NATIVE = tuple(name for name in DECODERS if name != "pillow")  # transforms.NATIVE_DECODERS holds their modules
 
 
 def resolve_decoder(name: str) -> str:
