@@ -87,6 +87,7 @@ class Config:
     on_error: str
     max_bad_rate: float
     worker_timeout: float
+    store_timeout: float
     max_worker_restarts: int
     worker_nice: int
     on_trainer_exit: str

@@ -42,6 +42,7 @@ class ExitCode(IntEnum):
     TASK_ERROR = 8  # a batch failed, or hung, too many times
     BAD_DATA = 9  # too many unreadable samples: the data, not a sample, is broken
     EXECUTOR_LOST = 10  # the Ray cluster was lost and no local workers were left to go on
+    STORE_UNREACHABLE = 11  # an object store stayed unreachable longer than --store-timeout
     INTERNAL = 70  # a bug or an unforeseen failure (BSD's EX_SOFTWARE), named by its exception
 
 

@@ -11,7 +11,8 @@ else is a BadWorkerMessage, and the master replaces that worker.
                            counts the sample attempts that ended, so the master can tell a task
                            that moves from one blocked in a call that releases the GIL
                        Done(epoch, step, rank, published, sources, replaced, longest_bad_run)
-                       Failed(epoch, step, rank, error, sample, nospace)
+                       Failed(epoch, step, rank, error, sample, nospace, unreachable)
+                           ``unreachable``: an object store did not answer (the batch waits for it)
     bridge -> master   ExecutorLost(why)  the Ray cluster can no longer be used (prefetchd.remote.raybridge)
 """
 
@@ -81,6 +82,7 @@ class Failed:
     error: str
     sample: bool  # a sample could not be read, and on_error is "fail"
     nospace: bool  # the tmpfs is full
+    unreachable: bool = False  # an object store did not answer, after its client's retries
 
     @property
     def task(self) -> tuple[int, int, int]:

@@ -319,6 +319,14 @@ SETTINGS: tuple[Setting, ...] = (
         type_text="number",
     ),
     Setting(
+        "daemon", "store_timeout", (float, int),
+        help="seconds an object store (s3://, gs://, https:// data) may stay unreachable, batches waiting for it, "
+        "before the daemon stops",
+        default=600,
+        rules=((lambda v: v > 0, "positive"),),
+        type_text="number",
+    ),
+    Setting(
         "daemon", "max_worker_restarts", (int,),
         help="worker deaths tolerated per minute before the daemon stops",
         default=20,

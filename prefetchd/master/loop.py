@@ -20,7 +20,7 @@ from prefetchd.master.buffer import Buffer
 from prefetchd.master.intake import PeerIntake
 from prefetchd.master.job import Job
 from prefetchd.master.jobdir import JobDir
-from prefetchd.master.policy import BadSampleBudget, NoSpaceBackoff, RestartBudget, TaskRetries
+from prefetchd.master.policy import BadSampleBudget, NoSpaceBackoff, RestartBudget, StoreOutage, TaskRetries
 from prefetchd.master.pool import WorkerPool, WorkerSlot
 from prefetchd.ops import scrapes, sdnotify
 from prefetchd.ops.status import Rates, job_status
@@ -50,6 +50,7 @@ class Master:
         self.retries = TaskRetries(log_path, cfg.worker_timeout)
         self.samples = BadSampleBudget(cfg.max_bad_rate, log_path)
         self.no_space = NoSpaceBackoff()
+        self.outage = StoreOutage(cfg.store_timeout)
         self.produced = 0
         self.worker_restarts = 0  # workers that died and were replaced since the start
         self.produced_per_source = [0] * len(job.source_names)
@@ -160,6 +161,9 @@ class Master:
         slot.task = None
         if self.no_space.space_back():
             log.info("space is back: producing again")
+        lasted = self.outage.back(time.monotonic())
+        if lasted is not None:
+            log.info("the object store answers again after %.1f s: producing again", lasted)
         for i, n in enumerate(msg.sources[: len(self.produced_per_source)]):
             self.produced_per_source[i] += n
         self._count_published(rank, index)
@@ -183,6 +187,10 @@ class Master:
         if msg.sample:
             log.error("bad sample in batch %s: %s", name, msg.error)
             raise DaemonStop(f"cannot read a sample: {msg.error}", ExitCode.SAMPLE_ERROR)
+        if msg.unreachable:
+            if self.outage.failed(msg.error, time.monotonic()):  # stops the daemon past --store-timeout
+                log.warning("an object store does not answer (%s); batches wait for it", msg.error)
+            return
         if msg.nospace:
             if self.no_space.full(time.monotonic()):
                 log.warning(
@@ -237,7 +245,7 @@ class Master:
             self.retries.died((rank, index), name, slot.process.exitcode, slot.making_text())
 
     def assign_tasks(self, now: float) -> None:
-        if self.no_space.waiting(now):
+        if self.no_space.waiting(now) or self.outage.waiting(now):
             return
         scheduler = self.buffer.scheduler
         for slot in self.pool.slots:

@@ -25,6 +25,7 @@ _RETRY_DELAY_S = 0.5  # times the attempt number: a failure that clears by itsel
 _NO_SPACE_MIN_S, _NO_SPACE_MAX_S = 0.1, 2.0  # back-off range while the tmpfs is full
 _BAD_IN_A_ROW = 64  # unreadable samples in a row within a batch: the data, not a sample, is broken
 _BAD_RATE_MIN_SAMPLES = 1000  # judge the bad-sample rate only over this many samples
+_OUTAGE_RETRY_S = 0.5  # a store's client backs off by itself first (sources.objects._RETRY)
 _REFUSALS_LOGGED = 10  # of each kind; then one line a minute with the count (the log is on the tmpfs)
 _REFUSAL_SUMMARY_S = 60.0
 
@@ -199,6 +200,54 @@ class NoSpaceBackoff:
     @property
     def backing_off(self) -> bool:
         return self._delay_s > 0
+
+
+class StoreOutage:
+    """An object store that does not answer (a worker's reads failed after obstore's own
+    retries): not the batch's fault, so no attempt is counted; every task waits
+    _OUTAGE_RETRY_S after each such failure, and the first batch published ends the outage.
+    One that lasts longer than ``limit_s`` stops the daemon, naming the store."""
+
+    def __init__(self, limit_s: float) -> None:
+        self.limit_s = limit_s
+        self.since: float | None = None  # time.monotonic() of the outage's first failure
+        self.error = ""  # its last failure's words (a URL without credentials, the store's error)
+        self.outages = 0  # since the start
+        self._until = 0.0
+
+    def failed(self, error: str, now: float) -> bool:
+        """A batch failed for want of the store; True when this starts an outage (log it once).
+        DaemonStop(STORE_UNREACHABLE) once it has lasted longer than the limit."""
+        starts = self.since is None
+        if starts:
+            self.since, self.outages = now, self.outages + 1
+        self.error, self._until = error, now + _OUTAGE_RETRY_S
+        if now - self.since > self.limit_s:
+            raise DaemonStop(
+                f"the object store has not answered for {now - self.since:.0f} s (--store-timeout "
+                f"{self.limit_s:g} s): {error}; check the store and the network, then start the job again "
+                "(it resumes where its trainers are)",
+                ExitCode.STORE_UNREACHABLE,
+            )
+        return starts
+
+    def back(self, now: float) -> float | None:
+        """A batch was published: how long the outage it ends lasted, or None when there was none."""
+        if self.since is None:
+            return None
+        lasted, self.since = now - self.since, None
+        return lasted
+
+    def waiting(self, now: float) -> bool:
+        """True while no task should be sent."""
+        return now < self._until
+
+    def snapshot(self, now: float) -> dict:
+        return {
+            "unreachable_s": None if self.since is None else round(now - self.since, 1),
+            "error": self.error if self.since is not None else None,
+            "outages": self.outages,
+        }
 
 
 class Refusals:

@@ -82,6 +82,7 @@ def job_status(m) -> dict:  # m: the prefetchd.master.loop.Master, which imports
         },
         "ranks": ranks,
         "backing_off_no_space": m.no_space.backing_off,
+        "store": m.outage.snapshot(now),  # an object store's outage: how long so far, its last error
         "executor": m.pool.executor_status(),
         "workers": {
             "count": len(workers),

@@ -16,10 +16,13 @@ indexes do not change.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import stat
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import numpy as np
 
@@ -30,6 +33,8 @@ from prefetchd.sources.places import FILE
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 _FILES = ("paths.npy", "offsets.npy", "labels.npy")
 _CONTAINER_FILES = ("kinds.npy", "members.npy")
+_OBJECTS_FILE = "objects.json"  # {url: [size, etag]}: each object in a store as indexed (sources.objects)
+_MAX_OBJECTS_BYTES = 256 << 20
 
 NO_LABEL = -1  # a container sample without a label: a bad sample when it is read
 
@@ -43,6 +48,9 @@ class SampleIndex:
     # and int64 (n, 2) place of each. None for files only, so their fingerprints stay as they were.
     kinds: np.ndarray | None = None
     members: np.ndarray | None = None
+    # Only where some container is an object in a store: url -> [size, etag] as indexed, which
+    # every read of it checks (sources.objects); None otherwise, fingerprints unchanged.
+    objects: dict[str, list] | None = None
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -68,9 +76,11 @@ class SampleIndex:
         return cls(np.frombuffer(b"".join(encoded), dtype=np.uint8), offsets, np.asarray(labels, dtype=np.int64))
 
     @classmethod
-    def in_containers(cls, containers: list[str], counts: list[int], kind: int, members, labels) -> SampleIndex:
+    def in_containers(
+        cls, containers: list[str], counts: list[int], kind: int, members, labels, objects: dict | None = None
+    ) -> SampleIndex:
         """Samples that live in containers: ``counts[j]`` consecutive samples in ``containers[j]``,
-        each at ``members`` (n, 2) of ``kind``."""
+        each at ``members`` (n, 2) of ``kind``; ``objects``: the identity of those in a store."""
         n = int(sum(counts))
         encoded = [os.fsencode(c) for c in containers]
         lengths = np.repeat(np.asarray([len(b) for b in encoded], dtype=np.int64), counts)
@@ -78,7 +88,8 @@ class SampleIndex:
         np.cumsum(lengths, out=offsets[1:])
         paths = np.frombuffer(b"".join(b * c for b, c in zip(encoded, counts)), dtype=np.uint8)
         members = np.asarray(members, dtype=np.int64).reshape(n, 2)
-        return cls(paths, offsets, np.asarray(labels, dtype=np.int64), np.full(n, kind, np.uint8), members)
+        labels = np.asarray(labels, dtype=np.int64)
+        return cls(paths, offsets, labels, np.full(n, kind, np.uint8), members, objects or None)
 
     @classmethod
     def concat(cls, parts: list[SampleIndex]) -> SampleIndex:
@@ -93,7 +104,8 @@ class SampleIndex:
                 [np.full((len(p), 2), -1, np.int64) if p.members is None else p.members for p in parts]
             )
         labels = np.concatenate([p.labels for p in parts])
-        return cls(np.concatenate([p.paths for p in parts]), offsets, labels, kinds, members)
+        objects = {url: info for p in parts for url, info in (p.objects or {}).items()} or None
+        return cls(np.concatenate([p.paths for p in parts]), offsets, labels, kinds, members, objects)
 
     def _arrays(self) -> tuple[tuple[str, np.ndarray], ...]:
         named = zip(_FILES, (self.paths, self.offsets, self.labels))
@@ -106,12 +118,16 @@ class SampleIndex:
         h = hashlib.sha256()
         for _, a in self._arrays():
             h.update(np.ascontiguousarray(a).tobytes())
+        if self.objects:  # an object rewritten in the store (another ETag) is other data
+            h.update(json.dumps(self.objects, sort_keys=True).encode())
         return h.hexdigest()[:16]
 
     def save(self, folder: Path) -> None:
         folder.mkdir(mode=0o700, exist_ok=True)
         for name, a in self._arrays():
             np.save(folder / name, a, allow_pickle=False)
+        if self.objects:
+            (folder / _OBJECTS_FILE).write_text(json.dumps(self.objects))
 
     @classmethod
     def load(cls, folder: Path) -> SampleIndex:
@@ -119,7 +135,29 @@ class SampleIndex:
         for name in names:  # np.load would block on a FIFO planted under the name
             if not stat.S_ISREG(os.lstat(folder / name).st_mode):
                 raise ValueError(f"{folder / name} is not a regular file")
-        return cls(*(np.load(folder / name, mmap_mode="r", allow_pickle=False) for name in names))
+        arrays = [np.load(folder / name, mmap_mode="r", allow_pickle=False) for name in names]
+        if len(arrays) == len(_FILES):
+            return cls(*arrays)
+        return cls(*arrays, _load_objects(folder / _OBJECTS_FILE))
+
+
+def _load_objects(path: Path) -> dict[str, list] | None:
+    """The index's objects.json, checked: url -> [size, etag]; None when it is not there."""
+    try:
+        fd, st = open_data_file(str(path))
+    except FileNotFoundError:
+        return None
+    with open(fd, "rb") as f:
+        if st.st_size > _MAX_OBJECTS_BYTES:
+            raise ValueError(f"{path} has {st.st_size} bytes, more than an index of objects holds")
+        objects = json.loads(f.read())
+    ok = isinstance(objects, dict) and all(
+        isinstance(url, str) and isinstance(v, list) and len(v) == 2 and type(v[0]) is int and isinstance(v[1], str)
+        for url, v in objects.items()
+    )
+    if not ok:
+        raise ValueError(f"{path} is not a map of url to [size, etag]")
+    return objects
 
 
 def open_data_file(path: str) -> tuple[int, os.stat_result]:
@@ -153,7 +191,11 @@ class SampleBytes:
     """A worker's reader of the samples of one place kind (FILE, TAR_MEMBER, ...): its own open
     files and caches. ``path`` and ``(a, b)`` are what the index holds for the sample (``a, b``
     its ``members`` row: where in the container), ``options`` its [[source]]'s own keys
-    (sources.kinds: a Parquet source's image_column). Raising ValueError makes a bad sample."""
+    (sources.kinds: a Parquet source's image_column). Raising ValueError makes a bad sample.
+    ``objects_indexed``: the index's url -> [size, etag] of containers in a store (set by the
+    SampleReader that makes it), which every read of them checks."""
+
+    objects_indexed: Mapping[str, list] = MappingProxyType({})
 
     def read_sample(self, path: str, a: int, b: int, options: dict) -> bytes:
         """The sample's encoded image."""
@@ -231,9 +273,7 @@ def _check_data_folder(root: str, where: str) -> None:
     if not os.path.exists(root):
         raise DataError(f"{where}: data folder {_shown(root)} does not exist; {fix}")
     if not os.path.isdir(root):
-        raise DataError(
-            f"{where}: {_shown(root)} is not a folder; image_folder expects <root>/<class>/<image>; {fix}"
-        )
+        raise DataError(f"{where}: {_shown(root)} is not a folder; image_folder expects <root>/<class>/<image>; {fix}")
 
 
 def find_classes(root: str, where: str) -> list[str]:
@@ -402,6 +442,6 @@ def _utf8_text(data: bytes, path: str) -> str:
         lineno = data.count(b"\n", 0, exc.start) + 1
         raise DataError(
             f"{path}:{lineno}: file lists must be UTF-8 text, but byte {exc.start} (0x{data[exc.start]:02x}) "
-            "is not; rename the file it names, or serve that folder with kind = \"image_folder\", "
+            'is not; rename the file it names, or serve that folder with kind = "image_folder", '
             "which takes any file name"
         ) from None

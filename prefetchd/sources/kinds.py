@@ -100,7 +100,7 @@ register(
         options={"label_key": None},
         patterns=True,
         place=TAR_MEMBER,
-        reader="prefetchd.sources.shards:TarMembers",
+        reader="prefetchd.sources.tarmembers:TarMembers",
     )
 )
 register(

@@ -8,6 +8,8 @@ imported only when a Parquet sample is read.
 
 from __future__ import annotations
 
+from types import MappingProxyType
+
 import numpy as np
 
 from prefetchd.sources import kinds
@@ -72,6 +74,8 @@ class SampleReader:
             if make is None:
                 raise ValueError(f"unknown sample kind {place} in the index")
             reader = self._readers[place] = make()
+            if self.index.objects:
+                reader.objects_indexed = MappingProxyType(self.index.objects)
         return reader
 
     def _options(self, sid: int) -> dict:

@@ -38,7 +38,7 @@ from prefetchd_client.folders import FILE_FLAGS, is_private, make_private_dir, o
 
 log = logging.getLogger(__name__)
 
-# Part of every cache file's name: raise it whenever shards._index_tar would index a shard
+# Part of every cache file's name: raise it whenever tarformat.index_tar would index a shard
 # differently (3: issue 24's repeated keys and sparse members), or old tables are served.
 _CACHE_VERSION = 3
 _WHAT = "shard index cache"
@@ -66,9 +66,16 @@ def _cache_root() -> Path:
 def _cache_file(shard: str, st: os.stat_result, label_key: str | None) -> Path:
     # The inode and ctime too: a shard rewritten in place with its mtime set back (cp -p, rsync -a)
     # changes its ctime, and one replaced by rename its inode.
-    ident = json.dumps(
-        [_CACHE_VERSION, os.path.realpath(shard), label_key, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns]
-    )
+    return _named([os.path.realpath(shard), label_key, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns])
+
+
+def _object_cache_file(url: str, size: int, etag: str, label_key: str | None) -> Path:
+    """A shard in a store: by URL, ETag and size (an object rewritten gets another ETag)."""
+    return _named([url, label_key, size, etag])
+
+
+def _named(identity: list) -> Path:
+    ident = json.dumps([_CACHE_VERSION, *identity])
     return _cache_root() / (hashlib.sha256(ident.encode()).hexdigest()[:32] + ".npy")
 
 
@@ -115,19 +122,23 @@ def _load_cached(cache: Path, shard_size: int) -> np.ndarray | None:
                     "shard index cache file %s not used: not a regular file of yours, or others can write it", cache
                 )
                 return None
-            table = _read_table(f, st.st_size)
+            table = read_table(f, st.st_size)
     except Exception:  # noqa: BLE001 - whatever is wrong with a cache file, it is indexed again
         return None
-    if table is None:
-        return None
+    return table if table is not None and table_fits(table, shard_size) else None
+
+
+def table_fits(table: np.ndarray, shard_size: int) -> bool:
+    """Whether an index table can be a shard's of ``shard_size`` bytes: sizes >= 0, images
+    inside the shard, labels >= -1 (each read checks the member's own header besides)."""
     offsets, sizes, labels = table.T
     has_image = offsets >= 0
-    if (sizes < 0).any() or (offsets[has_image] + sizes[has_image] > shard_size).any() or (labels < NO_LABEL).any():
-        return None
-    return table
+    return not (
+        (sizes < 0).any() or (offsets[has_image] + sizes[has_image] > shard_size).any() or (labels < NO_LABEL).any()
+    )
 
 
-def _read_table(f, file_size: int) -> np.ndarray | None:
+def read_table(f, file_size: int) -> np.ndarray | None:
     """An int64 (rows, 3) table, read only once the header's claim matches the file's size: a
     header that claims 10**12 rows is refused before anything is allocated for them."""
     version = np.lib.format.read_magic(f)

@@ -25,6 +25,7 @@ from PIL import Image
 from prefetchd.errors import describe
 from prefetchd.plan import Plan
 from prefetchd.sources.index import SampleIndex
+from prefetchd.sources.objects import ObjectChanged, StoreUnreachable
 from prefetchd.sources.places import FILE
 from prefetchd.sources.samplereader import SampleReader
 from prefetchd.workers.transforms import ImagePipeline
@@ -47,6 +48,9 @@ class CallableExited(Exception):
 _REPLACEMENT_ATTEMPTS = 10
 # Of one sample's cause, as its reader said it, wherever it goes: a batch's record, a log line,
 # a stop message. Room for a path and the reader's sentence; a stop names at most 11 of them.
+# Not a bad sample: the store did not answer (the batch waits for it), or the data changed under
+# the job (which stops it). Replacing the sample would make the batch depend on when it was made.
+_NOT_THE_SAMPLES = (StoreUnreachable, ObjectChanged)
 _CAUSE_CHARS = 300
 _DIGITS = re.compile(r"\d+")
 # Of one batch's paths and causes, what its report carries in full: the master refuses a worker's
@@ -276,6 +280,8 @@ class BatchProducer:
                 self._make_sample(arrays, slot, epoch, sid, pass_)
                 run = 0
                 continue
+            except _NOT_THE_SAMPLES:
+                raise
             except Exception as exc:
                 error = describe(exc, _CAUSE_CHARS)
                 if self.spec.on_error == "fail":
@@ -336,6 +342,8 @@ class BatchProducer:
             try:
                 make(other)
                 return other
+            except _NOT_THE_SAMPLES:
+                raise
             except Exception as exc:
                 failures.append((other, describe(exc, _CAUSE_CHARS)))
         raise SampleError(printable(self._unreadable(sid, cause, failures)))  # one line, as above

@@ -16,6 +16,7 @@ import time
 import traceback
 
 from prefetchd.messages import BootFailed, Done, Failed, Heartbeat, Message, Produce, Ready, decode, encode
+from prefetchd.sources import objects
 from prefetchd.workers.producer import BatchProducer, ProducerSpec, SampleError, SampleProgress
 
 _PARENT_CHECK_S = 1.0
@@ -102,6 +103,10 @@ def _produce(producer: BatchProducer, task: Produce) -> Done | Failed:
         published, report = producer.produce(e, k, r)
         return Done(e, k, r, published, report.per_source, report.replaced, report.longest_bad_run)
     except SampleError as exc:
+        return Failed(e, k, r, str(exc), sample=True, nospace=False)
+    except objects.StoreUnreachable as exc:
+        return Failed(e, k, r, str(exc), sample=False, nospace=False, unreachable=True)
+    except objects.ObjectChanged as exc:
         return Failed(e, k, r, str(exc), sample=True, nospace=False)
     except OSError as exc:
         # ENOSPC: something else filled the tmpfs; nothing was published, the master backs off.

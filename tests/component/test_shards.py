@@ -16,7 +16,7 @@ import pytest
 
 from prefetchd.cli.datagen import make_image
 from prefetchd.errors import DataError
-from prefetchd.sources import shards
+from prefetchd.sources import shards, tarformat, tarmembers
 from prefetchd.sources.index import NO_LABEL
 from prefetchd.sources.places import TAR_MEMBER
 from tests.component.test_shards_fuzz import run_seeds
@@ -62,7 +62,7 @@ def test_brace_patterns_name_the_shards_in_order_and_members_read_back(tmp_path)
     assert len(index) == 14 and (index.kinds == TAR_MEMBER).all()
     assert [os.path.basename(index.path(i)) for i in (0, 4, 8, 12)] == ["a-00.tar", "a-01.tar", "a-02.tar", "b.tar"]
     assert index.labels[:8].tolist() == [0, 1, 2, 0, 1, 2, 0, 1]
-    reader = shards.TarMembers()
+    reader = tarmembers.TarMembers()
     try:
         assert reader.read(index.path(5), *index.member(5)) == jpeg(1)
     finally:
@@ -87,7 +87,7 @@ def test_labels_from_a_json_key_and_what_is_not_a_label(tmp_path):
 def test_the_first_image_kind_wins_and_a_sample_without_one_has_none(tmp_path):
     samples = [{"png": b"PNG", "jpg": b"JPG", "cls": b"1"}, {"txt": b"only text", "cls": b"2"}]
     index = scan(str(write_shard(tmp_path / "s.tar", samples)))
-    reader = shards.TarMembers()
+    reader = tarmembers.TarMembers()
     try:
         assert reader.read(index.path(0), *index.member(0)) == b"JPG"
         with pytest.raises(ValueError, match="no image member"):
@@ -121,7 +121,7 @@ def test_a_truncated_shard_keeps_its_ids_and_its_cut_member_is_unreadable(tmp_pa
     cut.write_bytes(whole[: offset + size // 2])  # in the middle of sample 4's image
     truncated = scan(str(cut))  # sample 4's .cls came after its image: it has no label either
     assert len(truncated) == 5 and truncated.labels.tolist() == [*index.labels[:4].tolist(), NO_LABEL]
-    reader = shards.TarMembers()
+    reader = tarmembers.TarMembers()
     try:
         assert reader.read(str(cut), *truncated.member(3)) == jpeg(3)
         with pytest.raises(ValueError, match="truncated"):
@@ -163,7 +163,7 @@ def test_a_fifo_swapped_in_after_indexing_is_unreadable_not_a_hang(tmp_path):
     index = scan(str(shard))
     shard.unlink()
     os.mkfifo(shard)
-    reader = shards.TarMembers()
+    reader = tarmembers.TarMembers()
     try:
         with pytest.raises(ValueError, match="no longer a regular file"):
             reader.read(str(shard), *index.member(0))
@@ -240,7 +240,7 @@ def webdataset_samples(shard: Path) -> list[dict]:
 
 def read_all(index) -> list[tuple[bytes | str, int]]:
     """(image bytes, label) of every sample, or (the reader's error, label) for a bad one."""
-    reader, out = shards.TarMembers(), []
+    reader, out = tarmembers.TarMembers(), []
     try:
         for i in range(len(index)):
             try:
@@ -306,7 +306,7 @@ def test_keys_split_as_webdatasets_base_plus_ext_on_every_short_name_and_a_long_
         for chars in itertools.product("a./\n", repeat=n):
             name = "".join(chars)
             want = base_plus_ext(name)
-            assert shards._key_ext(name) == (None if want == (None, None) else want), repr(name)
+            assert tarformat.key_ext(name) == (None if want == (None, None) else want), repr(name)
     # webdataset's regex takes ~20 s on a 60 KB name of slashes; a pax name may be far longer
     shard = write_members(
         tmp_path / "s.tar", [("a/" * 100_000 + "x.jpg", b"J"), ("a/" * 100_000 + "x.cls", b"1")], fmt=tarfile.PAX_FORMAT

@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 
 from prefetchd.errors import DataError
-from prefetchd.sources import shards
+from prefetchd.sources import shards, tarformat, tarmembers
 from prefetchd.sources.index import NO_LABEL
 
 pytestmark = pytest.mark.timeout(600)
@@ -275,7 +275,7 @@ def check_seed(seed: int, folder: Path) -> Counter:
         return tally
     theirs, repeated = webdataset_view(shard)
     seekable, seekable_repeated = webdataset_view(shard, seekable=True)
-    reader = shards.TarMembers()
+    reader = tarmembers.TarMembers()
     try:
         for i in range(len(index)):
             label = index.label(i)
@@ -295,7 +295,7 @@ def check_seed(seed: int, folder: Path) -> Counter:
                 sample, refused = seekable[i], seekable_repeated[i]
                 tally["agree past webdataset's stream"] += 1
             assert not refused, f"{where}: sample {i} served, webdataset refused it: {sorted(sample)}"
-            first = next((sample[k] for k in shards.IMAGE_KEYS if k in sample), None)
+            first = next((sample[k] for k in tarformat.IMAGE_KEYS if k in sample), None)
             assert image == first, f"{where}: sample {i} ({sample['__key__']!r}): other image bytes"
             assert label == webdataset_label(sample, label_key), f"{where}: sample {i}: label {label}"
             tally["agree"] += 1

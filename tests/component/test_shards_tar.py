@@ -183,7 +183,7 @@ def test_a_header_that_does_not_parse_in_the_middle_is_logged_not_a_silent_end(t
     data = bytearray(shard.read_bytes())
     data[index.member(3)[0] - 512 + 148] ^= 0x01  # the checksum of sample 3's first header
     shard.write_bytes(bytes(data))
-    with caplog.at_level("WARNING", logger="prefetchd.sources.shards"):
+    with caplog.at_level("WARNING", logger="prefetchd.sources"):
         assert len(scan(str(shard))) == 3  # tarfile (and so webdataset) ends the shard there
     assert "damaged after 3 samples" in caplog.text and "not a tar header" in caplog.text
 

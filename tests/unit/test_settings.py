@@ -60,6 +60,7 @@ def non_default_flags(option: str, tmp_path: Path) -> tuple[dict, object]:
         "on_error": ("fail", "fail"),
         "max_bad_rate": (0.5, 0.5),
         "worker_timeout": (7.5, 7.5),
+        "store_timeout": (30, 30),
         "max_worker_restarts": (3, 3),
         "worker_nice": (4, 4),
         "on_trainer_exit": ("release", "release"),

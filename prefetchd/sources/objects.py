@@ -1,0 +1,322 @@
+"""Objects in a store, named by URL: ``s3://bucket/key``, ``gs://bucket/key``, ``https://host/path``.
+
+Read through obstore (Rust's ``object_store`` underneath; the extra ``prefetchd[cloud]``), which
+configures itself from the environment S3 and GCS tools already use: ``AWS_ENDPOINT_URL`` (an
+S3-compatible store), ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``,
+``AWS_REGION`` / ``AWS_DEFAULT_REGION``, ``AWS_ALLOW_HTTP``, instance metadata;
+``GOOGLE_APPLICATION_CREDENTIALS`` for GCS. An ``http://`` endpoint is allowed because it says so.
+
+What this module promises its callers:
+
+- every read names the object's identity as indexed (size, ETag): the store is asked for the
+  range *if it still matches* (``If-Match``), and the answer's own size and ETag are compared
+  too (a server that ignores ``If-Match``); a changed object is ObjectChanged, a data error,
+  never bytes of two versions;
+- a fault of the store (no connection, a timeout, a reset, 429/5xx) is retried by obstore with
+  back-off and jitter, bounded in time (_RETRY); what is still failing after that is
+  StoreUnreachable, which is not the sample's fault: the batch waits, it does not replace it;
+- what the store refuses for good (404, 403, a bad request) is ObjectError with one line naming
+  the URL and what to check;
+- no message carries a credential: URLs are shown without user info or query, and a store's
+  error text is cut to its first line with any URL in it shown so (obstore's text names the
+  request's URL, never its signature headers).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+
+SCHEMES = ("s3", "gs", "http", "https")
+IN_FLIGHT = 16  # concurrent range requests per process: enough to hide 20-50 ms of latency per batch
+# A request that has not finished in this long is abandoned (an endless body, a lying
+# Content-Length): below --worker-timeout's default 60 s, so the store is named, not a hung worker.
+_REQUEST_TIMEOUT = "20s"
+_CONNECT_TIMEOUT = "5s"
+_RETRY = {
+    "max_retries": 6,
+    "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=2), "base": 2.0},
+    "retry_timeout": timedelta(seconds=10),
+}
+_URL_IN_TEXT = re.compile(r"\b(?:https?|s3|gs)://[^\s'\"<>]+")
+_STATUS = re.compile(r"\b(?:status code|status): ?(\d{3})\b")
+
+
+class ObjectError(ValueError):
+    """The store refuses an object for good (missing, denied, not what was asked): a data error."""
+
+
+class ObjectChanged(Exception):
+    """The object is not the one indexed any more (another size or ETag). Not a ValueError: a
+    reader's ``except ValueError`` (a bad sample, replaced) must not catch it; the job's data
+    changed under it, which stops it."""
+
+
+class StoreUnreachable(Exception):
+    """The store did not answer, after obstore's retries: an outage, not the sample's fault."""
+
+    def __init__(self, url: str, why: str):
+        super().__init__(f"{shown(url)}: {why}")
+        self.url = url
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    size: int
+    etag: str  # "" when the store gives none (a plain HTTP server): then the size alone identifies it
+
+    def to_json(self) -> list:
+        return [self.size, self.etag]
+
+    @classmethod
+    def from_json(cls, value) -> ObjectInfo:
+        size, etag = value
+        if type(size) is not int or size < 0 or not isinstance(etag, str):
+            raise ValueError(f"an object's identity is [size, etag], got {value!r}")
+        return cls(size, etag)
+
+
+def is_url(text: str) -> bool:
+    scheme, sep, _ = text.partition("://")
+    return bool(sep) and scheme.lower() in SCHEMES
+
+
+def shown(url: str) -> str:
+    """A URL as messages show it: without user info, query or fragment (where credentials go)."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        return "<a URL that does not parse>"
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
+
+
+def check_url(url: str) -> str | None:
+    """Why ``url`` cannot name an object, or None."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme.lower() not in SCHEMES:
+        return f"the scheme {parts.scheme!r} is not one of {', '.join(SCHEMES)}"
+    if parts.username is not None or parts.password is not None:
+        return "credentials in a URL are not accepted: give them in the environment (AWS_ACCESS_KEY_ID, ...)"
+    if parts.query or parts.fragment:
+        return "a URL with a query or fragment (a presigned URL?) is not accepted: name the object itself"
+    if not parts.netloc:
+        return "it names no bucket or host"
+    if not parts.path.strip("/"):
+        return "it names a bucket or host but no object in it"
+    return None
+
+
+def _split(url: str) -> tuple[tuple[str, str], str]:
+    """((scheme, bucket or host), the object's path in that store)."""
+    parts = urllib.parse.urlsplit(url)
+    scheme = parts.scheme.lower()
+    path = parts.path.lstrip("/")
+    if scheme in ("http", "https"):
+        path = urllib.parse.unquote(path)  # obstore encodes the path itself: not twice
+    return (scheme, parts.netloc), path
+
+
+def first_line(exc: BaseException) -> str:
+    """A store's error in one line, URLs shown without credentials."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return _URL_IN_TEXT.sub(lambda m: shown(m.group(0)), text)[:400]
+
+
+class Objects:
+    """A process's stores (one per bucket or host) and its pool of requests in flight.
+
+    One per process: obstore's stores hold connections and a runtime, which do not survive a
+    fork; workers make theirs after they start."""
+
+    def __init__(self) -> None:
+        self._stores: dict[tuple[str, str], object] = {}
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def head(self, url: str) -> ObjectInfo:
+        store, path = self._store(url)
+        import obstore
+
+        try:
+            meta = obstore.head(store, path)
+        except Exception as exc:  # noqa: BLE001 - obstore's errors are sorted by _failure
+            raise _failure(url, exc) from None
+        return ObjectInfo(int(meta["size"]), meta.get("e_tag") or "")
+
+    def read(self, url: str, start: int, end: int, info: ObjectInfo) -> bytes:
+        """Bytes [start, end) of the object ``info`` says it is; ObjectChanged when it is not."""
+        if not 0 <= start <= end <= info.size:
+            raise ObjectError(f"{shown(url)}: bytes {start}-{end} lie outside its {info.size} bytes")
+        if start == end:
+            return b""
+        store, path = self._store(url)
+        import obstore
+
+        options: dict = {"range": (start, end)}
+        if info.etag:
+            options["if_match"] = info.etag
+        try:
+            result = obstore.get(store, path, options=options)
+            meta = result.meta
+            data = bytes(result.bytes())
+        except Exception as exc:  # noqa: BLE001
+            raise _failure(url, exc) from None
+        got = ObjectInfo(int(meta["size"]), meta.get("e_tag") or "")
+        if got.size != info.size or (info.etag and got.etag and got.etag != info.etag):
+            raise ObjectChanged(
+                f"{shown(url)} changed under the running job: indexed as {info.size} bytes, ETag {info.etag or '-'}, "
+                f"now {got.size} bytes, ETag {got.etag or '-'}; start the job again to index it anew"
+            )
+        if len(data) != end - start:
+            raise StoreUnreachable(url, f"asked for {end - start} bytes at {start}, the store sent {len(data)}")
+        return data
+
+    def read_many(self, url: str, ranges: list[tuple[int, int]], info: ObjectInfo) -> list:
+        """Futures of ``read`` for each range, IN_FLIGHT at a time."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="prefetchd-read")
+        return [self._pool.submit(self.read, url, a, b, info) for a, b in ranges]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        self._stores.clear()
+
+    def _store(self, url: str):
+        why = check_url(url)
+        if why:
+            raise ObjectError(f"{shown(url)}: {why}")
+        key, path = _split(url)
+        with self._lock:
+            store = self._stores.get(key)
+            if store is None:
+                store = self._stores[key] = _make_store(*key)
+        return store, path
+
+
+def _make_store(scheme: str, where: str):
+    try:
+        from obstore.store import GCSStore, HTTPStore, S3Store
+    except ImportError:
+        raise ObjectError(
+            f"reading {scheme}:// URLs needs obstore: pip install 'prefetchd[cloud]' (in the daemon's environment)"
+        ) from None
+    import os
+
+    options = {"timeout": _REQUEST_TIMEOUT, "connect_timeout": _CONNECT_TIMEOUT}
+    try:
+        if scheme == "s3":
+            endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+            if endpoint.lower().startswith("http://"):  # a local S3-compatible store says so itself
+                options["allow_http"] = True
+            return S3Store(where, client_options=options, retry_config=_RETRY)
+        if scheme == "gs":
+            return GCSStore(where, client_options=options, retry_config=_RETRY)
+        options["allow_http"] = scheme == "http"
+        return HTTPStore.from_url(f"{scheme}://{where}/", client_options=options, retry_config=_RETRY)
+    except Exception as exc:  # noqa: BLE001 - a bad configuration, named by obstore
+        raise ObjectError(f"{scheme}://{where}: the store cannot be configured: {first_line(exc)}") from None
+
+
+def _failure(url: str, exc: BaseException) -> Exception:
+    """obstore's exception as ObjectError (for good), ObjectChanged or StoreUnreachable (for now)."""
+    from obstore import exceptions as ox
+
+    why = first_line(exc)
+    if isinstance(exc, ox.PreconditionError):
+        return ObjectChanged(
+            f"{shown(url)} changed under the running job (its ETag is not the one indexed); "
+            "start the job again to index it anew"
+        )
+    if isinstance(exc, FileNotFoundError | ox.NotFoundError):
+        return ObjectError(f"{shown(url)} does not exist in the store; check the URL (bucket, key, endpoint)")
+    if isinstance(exc, ox.PermissionDeniedError | ox.UnauthenticatedError):
+        return ObjectError(
+            f"{shown(url)}: the store refuses access ({why}); check the credentials in the environment "
+            "(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY / AWS_PROFILE, GOOGLE_APPLICATION_CREDENTIALS) and the "
+            "bucket's policy"
+        )
+    status = _STATUS.search(str(exc))
+    if status and status.group(1)[0] == "4" and status.group(1) not in ("408", "429"):
+        return ObjectError(f"{shown(url)}: the store answers {status.group(1)}: {why}")
+    return StoreUnreachable(url, why)
+
+
+class ObjectFile:
+    """An object read as a seekable binary file (what tarfile and pyarrow take), in ranges of
+    ``chunk`` bytes: reading it through once streams it once. ``pread`` reads at an offset
+    without moving. The two chunks last read are kept (a member's header, then its data)."""
+
+    def __init__(self, objects: Objects, url: str, info: ObjectInfo, chunk: int = 8 << 20):
+        self.objects, self.url, self.info, self.chunk = objects, url, info, chunk
+        self.name = url
+        self._pos = 0
+        self._chunks: dict[int, bytes] = {}
+        self.fetched = 0  # bytes asked of the store
+
+    def pread(self, size: int, offset: int) -> bytes:
+        end = min(offset + max(size, 0), self.info.size)
+        if offset >= end:
+            return b""
+        parts = []
+        for i in range(offset // self.chunk, (end - 1) // self.chunk + 1):
+            data = self._chunk_at(i)
+            base = i * self.chunk
+            parts.append(data[max(offset - base, 0) : end - base])
+        return b"".join(parts)
+
+    def _chunk_at(self, i: int) -> bytes:
+        data = self._chunks.get(i)
+        if data is None:
+            start = i * self.chunk
+            data = self.objects.read(self.url, start, min(start + self.chunk, self.info.size), self.info)
+            self.fetched += len(data)
+            if len(self._chunks) >= 2:
+                self._chunks.pop(next(iter(self._chunks)))
+            self._chunks[i] = data
+        return data
+
+    def read(self, size: int = -1) -> bytes:
+        if size is None or size < 0:
+            size = self.info.size - self._pos
+        data = self.pread(size, self._pos)
+        self._pos += len(data)
+        return data
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self._pos, self.info.size)[whence]
+        if base + offset < 0:
+            raise ValueError(f"negative seek position {base + offset}")
+        self._pos = base + offset
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    @property
+    def closed(self) -> bool:
+        return False
+
+    def close(self) -> None:
+        self._chunks.clear()
+
+    def __enter__(self) -> ObjectFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
