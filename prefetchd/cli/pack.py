@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import functools
 import io
 import json
 import os
@@ -63,6 +64,7 @@ from PIL import Image
 
 from prefetchd.errors import ConfigError, DataError, UserError
 from prefetchd.sizes import format_size, parse_size
+from prefetchd.sources import shards, tarformat
 from prefetchd.sources.index import SampleIndex, find_classes, read_file_list, scan_image_folder
 from prefetchd.workers import workerserver
 from prefetchd.workers.transforms import ALLOWED_FORMATS
@@ -398,6 +400,19 @@ class _ShardWriter:
             finally:
                 self._tar = None
                 fileobj.close()
+            self._write_index(self.shards[-1])
+
+    def _write_index(self, shard: dict) -> None:
+        """``<shard>.idx`` beside the shard: its table as `start` would index it, read back from
+        the shard just written (so it is exactly what indexing the shard gives), for `start` to
+        read instead of the shard, most of all where the shard lies in a store."""
+        fd = os.open(shard["name"], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.out.partial_fd)
+        with open(fd, "rb") as f:
+            table = tarformat.index_tar(f, functools.partial(os.pread, fd), shard["name"], None)
+        data = shards.index_object_bytes(table, shard["bytes"])
+        with os.fdopen(self.out.create(shard["name"] + shards.INDEX_SUFFIX), "wb") as out:
+            out.write(data)
+        shard["index"] = shard["name"] + shards.INDEX_SUFFIX
 
     def discard(self) -> None:
         """Close an open shard unfinished (a failed run removes it)."""

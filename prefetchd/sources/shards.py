@@ -162,6 +162,9 @@ def _shard_index(shard: str, label_key: str | None, where: str) -> np.ndarray:
         raise DataError(f"{where}: cannot read shard {shard}: {exc.strerror}; check urls") from None
     if not stat.S_ISREG(st.st_mode):
         raise DataError(f"{where}: shard {shard} is not a regular file; urls must name tar files")
+    table = _index_file(shard, st.st_size) if label_key is None else None
+    if table is not None:
+        return table
     cache = _cache_file(shard, st, label_key)
     table = _load_cached(cache, st.st_size)
     if table is None:
@@ -172,6 +175,25 @@ def _shard_index(shard: str, label_key: str | None, where: str) -> np.ndarray:
         except (tarfile.TarError, OSError, ValueError, RecursionError) as exc:
             raise DataError(f"{where}: shard {shard} is not a readable tar file ({exc}); check urls") from None
         _save_cached(cache, table)
+    return table
+
+
+def _index_file(shard: str, shard_size: int) -> np.ndarray | None:
+    """The table of the index file beside a local shard (INDEX_SUFFIX), or None (as _index_object)."""
+    try:
+        fd, st = open_data_file(shard + INDEX_SUFFIX)
+    except (OSError, ValueError):  # none, or not a regular file: the shard is indexed as ever
+        return None
+    with open(fd, "rb") as f:
+        data = f.read(_MAX_INDEX_OBJECT_BYTES + 1) if st.st_size <= _MAX_INDEX_OBJECT_BYTES else b""
+    table = parse_index_object(data, shard_size)
+    if table is None:
+        log.warning(
+            "index file %s not used: it is not a prefetchd shard index of this %d-byte shard; "
+            "the shard is indexed by reading it",
+            shard + INDEX_SUFFIX,
+            shard_size,
+        )
     return table
 
 

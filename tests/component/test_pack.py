@@ -20,6 +20,7 @@ from PIL import Image
 
 from prefetchd.cli.datagen import make_image, make_image_folder
 from prefetchd.errors import ExitCode
+from prefetchd.sources import shards, tarformat
 from prefetchd.sources.index import scan_image_folder
 from tests.conftest import JOB_ROOT_PREFIX, SHM, cli, wait_until
 
@@ -70,7 +71,29 @@ def test_webdataset_reads_every_sample_in_id_order_with_its_label(folder, tmp_pa
     assert all(s["jpg"] == Path(index.path(i)).read_bytes() for i, s in enumerate(samples))
     assert manifest["classes"] == ["class_00", "class_01", "class_02"]
     assert manifest["samples"] == manifest["indexed"] == len(index) and manifest["skipped"] == []
-    assert sorted(os.listdir(tmp_path / "out")) == ["pack.json", "shard-000000.tar"]
+    assert sorted(os.listdir(tmp_path / "out")) == ["pack.json", "shard-000000.tar", "shard-000000.tar.idx"]
+
+
+def test_each_shard_gets_an_index_object_that_start_reads_instead_of_the_shard(folder, tmp_path, monkeypatch):
+    """pack writes <shard>.idx beside each shard: the table indexing the shard gives; a scan
+    uses it (nothing is cached), and one of another shard's size is not used."""
+    monkeypatch.setenv("PREFETCHD_CACHE", str(tmp_path / "cache"))
+    manifest = packed(folder, tmp_path / "out", "--shard-size", "64K")
+    for shard in manifest["shards"]:
+        path = tmp_path / "out" / shard["name"]
+        assert shard["index"] == shard["name"] + ".idx"
+        with open(path, "rb") as f:
+            table = tarformat.index_tar(f, lambda n, at, f=f: os.pread(f.fileno(), n, at), str(path), None)
+        read = shards.parse_index_object((tmp_path / "out" / shard["index"]).read_bytes(), path.stat().st_size)
+        assert read is not None and (read == table).all()
+    last = len(manifest["shards"]) - 1
+    source = {"urls": str(tmp_path / "out" / f"shard-{{000000..{last:06d}}}.tar")}
+    index = shards.scan_webdataset(source, "test")
+    assert len(index) == manifest["samples"] and not (tmp_path / "cache").exists()  # from the .idx alone
+    first = tmp_path / "out" / manifest["shards"][0]["index"]
+    first.write_bytes(shards.index_object_bytes(np.zeros((1, 3), np.int64), 12345))  # another shard's
+    assert shards.scan_webdataset(source, "test").fingerprint() == index.fingerprint()
+    assert (tmp_path / "cache").exists()  # the first shard was read and its table cached
 
 
 def test_shard_size_splits_into_shards_none_over_the_bound(folder, tmp_path):
