@@ -7,9 +7,11 @@ else is a BadWorkerMessage, and the master replaces that worker.
 
     master -> worker   Produce(epoch, step, rank)  |  Stop()
     worker -> master   Ready(fields)  |  BootFailed(error)
-                       Heartbeat(samples, sample)  every HEARTBEAT_S, from a thread: ``samples``
+                       Heartbeat(samples, sample, io)  every HEARTBEAT_S, from a thread: ``samples``
                            counts the sample attempts that ended, so the master can tell a task
-                           that moves from one blocked in a call that releases the GIL
+                           that moves from one blocked in a call that releases the GIL; ``io``:
+                           each object store's counters since the worker started,
+                           {"s3://bucket": [requests, bytes, retries, errors, seconds]}
                        Done(epoch, step, rank, published, sources, replaced, longest_bad_run)
                        Failed(epoch, step, rank, error, sample, nospace, unreachable)
                            ``unreachable``: an object store did not answer (the batch waits for it)
@@ -24,6 +26,7 @@ import types
 import typing
 from dataclasses import dataclass
 
+_MAX_STORES = 64  # object stores one worker reads: buckets and hosts, not objects
 MAX_MESSAGE_BYTES = 16 << 20  # a Done lists each replaced sample's path and error; a batch has a few thousand
 
 
@@ -57,6 +60,7 @@ class BootFailed:
 class Heartbeat:
     samples: int
     sample: list | None  # [sample id, path] being made, or None between samples
+    io: dict = dataclasses.field(default_factory=dict)  # store -> sources.objects.IO_FIELDS, since the start
 
 
 @dataclass(frozen=True)
@@ -131,6 +135,8 @@ def decode(data: bytes) -> Message:
             raise BadWorkerMessage(f"{cls.__name__}.{name} must be {kind}, got {str(obj[name])[:80]!r}")
     if cls is Heartbeat and obj["sample"] is not None and not _is_sample(obj["sample"]):
         raise BadWorkerMessage(f"Heartbeat.sample must be [id, path], got {str(obj['sample'])[:80]!r}")
+    if cls is Heartbeat and not _is_io(obj["io"]):
+        raise BadWorkerMessage(f"Heartbeat.io must map a store to 5 counts, got {str(obj['io'])[:80]!r}")
     if cls is Done and not _is_done_lists(obj):
         raise BadWorkerMessage("Done.sources must list counts, Done.replaced the replaced samples")
     if cls is Ready and not all(_is_record(f, _FIELD_KEYS) and _are_counts(f["shape"]) for f in obj["fields"]):
@@ -156,6 +162,17 @@ def _is_sample(value: list) -> bool:
 def _is_record(value, keys: dict) -> bool:
     """Whether ``value`` is a JSON object with exactly these keys, each of its type."""
     return isinstance(value, dict) and set(value) == set(keys) and all(_is(value[k], t) for k, t in keys.items())
+
+
+def _is_io(value: dict) -> bool:
+    """{store: [requests, bytes, retries, errors, seconds]}: non-negative finite numbers."""
+    return len(value) <= _MAX_STORES and all(
+        isinstance(store, str)
+        and isinstance(counts, list)
+        and len(counts) == 5
+        and all(type(n) in (int, float) and 0 <= n < 1e18 for n in counts)
+        for store, counts in value.items()
+    )
 
 
 def _are_counts(value: list) -> bool:

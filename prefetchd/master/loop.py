@@ -20,7 +20,7 @@ from prefetchd.master.buffer import Buffer
 from prefetchd.master.intake import PeerIntake
 from prefetchd.master.job import Job
 from prefetchd.master.jobdir import JobDir
-from prefetchd.master.policy import BadSampleBudget, NoSpaceBackoff, RestartBudget, StoreOutage, TaskRetries
+from prefetchd.master.policy import BadSampleBudget, ProductionPauses, RestartBudget, TaskRetries
 from prefetchd.master.pool import WorkerPool, WorkerSlot
 from prefetchd.ops import scrapes, sdnotify
 from prefetchd.ops.status import Rates, job_status
@@ -49,8 +49,7 @@ class Master:
         self.restarts = RestartBudget(cfg.max_worker_restarts, log_path)
         self.retries = TaskRetries(log_path, cfg.worker_timeout)
         self.samples = BadSampleBudget(cfg.max_bad_rate, log_path)
-        self.no_space = NoSpaceBackoff()
-        self.outage = StoreOutage(cfg.store_timeout)
+        self.pauses = ProductionPauses(cfg.store_timeout, str(self.paths.dir))
         self.produced = 0
         self.worker_restarts = 0  # workers that died and were replaced since the start
         self.produced_per_source = [0] * len(job.source_names)
@@ -159,11 +158,8 @@ class Master:
     def _on_batch_done(self, slot: WorkerSlot, msg: messages.Done) -> None:
         rank, index = slot.task
         slot.task = None
-        if self.no_space.space_back():
-            log.info("space is back: producing again")
-        lasted = self.outage.back(time.monotonic())
-        if lasted is not None:
-            log.info("the object store answers again after %.1f s: producing again", lasted)
+        if (line := self.pauses.producing(time.monotonic())) is not None:
+            log.info(line)
         for i, n in enumerate(msg.sources[: len(self.produced_per_source)]):
             self.produced_per_source[i] += n
         self._count_published(rank, index)
@@ -187,15 +183,9 @@ class Master:
         if msg.sample:
             log.error("bad sample in batch %s: %s", name, msg.error)
             raise DaemonStop(f"cannot read a sample: {msg.error}", ExitCode.SAMPLE_ERROR)
-        if msg.unreachable:
-            if self.outage.failed(msg.error, time.monotonic()):  # stops the daemon past --store-timeout
-                log.warning("an object store does not answer (%s); batches wait for it", msg.error)
-            return
-        if msg.nospace:
-            if self.no_space.full(time.monotonic()):
-                log.warning(
-                    "the filesystem of %s is full (%s); backing off until space returns", self.paths.dir, msg.error
-                )
+        if msg.nospace or msg.unreachable:  # production waits (past --store-timeout, a store's outage stops it)
+            if (line := self.pauses.failed(msg, time.monotonic())) is not None:
+                log.warning(line)
             return
         log.warning("batch %s failed (attempt %d):\n%s", name, self.retries.attempts_made((rank, index)) + 1, msg.error)
         self.retries.failed((rank, index), name, msg.error, time.monotonic())  # stops the daemon at the limit
@@ -245,7 +235,7 @@ class Master:
             self.retries.died((rank, index), name, slot.process.exitcode, slot.making_text())
 
     def assign_tasks(self, now: float) -> None:
-        if self.no_space.waiting(now) or self.outage.waiting(now):
+        if self.pauses.waiting(now):
             return
         scheduler = self.buffer.scheduler
         for slot in self.pool.slots:
@@ -257,8 +247,11 @@ class Master:
                 if gave_way is None:
                     return
                 self.buffer.delete(*gave_way, now)
-                log.info("the buffer was full with a batch missing before ready ones: deleted batch %s, the "
-                         "farthest ahead, to make the missing one first", self.job.batch_name(*gave_way))
+                log.info(
+                    "the buffer was full with a batch missing before ready ones: deleted batch %s, the "
+                    "farthest ahead, to make the missing one first",
+                    self.job.batch_name(*gave_way),
+                )
                 task = scheduler.next_task()
                 if task is None:
                     return  # its slot is still mapped by a client: freed within a tick

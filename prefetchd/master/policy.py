@@ -250,6 +250,36 @@ class StoreOutage:
         }
 
 
+class ProductionPauses:
+    """Why no task is sent for a while, though batches are wanted: the tmpfs is full, or an
+    object store does not answer. The lines to log come back from each call (None: nothing new)."""
+
+    def __init__(self, store_timeout_s: float, job_dir: str):
+        self.no_space, self.outage, self.job_dir = NoSpaceBackoff(), StoreOutage(store_timeout_s), job_dir
+
+    def failed(self, msg, now: float) -> str | None:
+        """A worker's Failed of ``nospace`` or ``unreachable``."""
+        if msg.unreachable:
+            if self.outage.failed(msg.error, now):
+                return f"an object store does not answer ({msg.error}); batches wait for it"
+        elif self.no_space.full(now):
+            return f"the filesystem of {self.job_dir} is full ({msg.error}); backing off until space returns"
+        return None
+
+    def producing(self, now: float) -> str | None:
+        """A batch was published: what that ends."""
+        ended = []
+        if self.no_space.space_back():
+            ended.append("space is back")
+        lasted = self.outage.back(now)
+        if lasted is not None:
+            ended.append(f"the object store answers again after {lasted:.1f} s")
+        return f"{' and '.join(ended)}: producing again" if ended else None
+
+    def waiting(self, now: float) -> bool:
+        return self.no_space.waiting(now) or self.outage.waiting(now)
+
+
 class Refusals:
     """Peer input refused, counted by kind ("message", "position", "waits", "progress_file",
     "trainer_lock"). The first few of each kind are logged with the reason, then one line a

@@ -63,12 +63,14 @@ class WorkerSlot:
     reaped: bool = False  # its death is accounted for, its replacement maybe not yet spawned
     kind: str = "local"  # or "ray": a relay of the Ray bridge, whose process it shares
     server: int | None = None  # pid of the fork server a local worker came from
+    io: dict = field(default_factory=dict)  # its object stores' counters, as its last heartbeat said
 
     @property
     def pid(self) -> int:
         return self.process.pid
 
     def note_heartbeat(self, beat: messages.Heartbeat) -> None:
+        self.io = beat.io  # totals since the worker started: the last beat has them all
         if beat.samples != self.samples_finished:
             self.samples_finished = beat.samples
             self.progressed_at = self.last_heard
@@ -93,6 +95,7 @@ class WorkerPool:
         self.ray_lost: str | None = None  # why the Ray cluster was given up
         self._charged: dict[tuple[str, int], None] = {}  # deaths counted lately, oldest first (charge_death)
         self._ray_folder: Path | None = None  # a private Ray instance's folder (--ray-address local)
+        self._io_of_the_dead: dict[str, list] = {}  # object-store counters of workers gone, summed
 
     def spawn_all(self) -> None:
         for _ in range(self.job.config.workers):
@@ -376,6 +379,8 @@ class WorkerPool:
         short (out of descriptors) accounts for it again, restart budget included."""
         slot.conn.close()
         self._sweep_files(slot.pid)
+        self._io_of_the_dead = _summed(self._io_of_the_dead, slot.io)
+        slot.io = {}  # counted once, however often bury is repeated
         return slot.process.exitcode
 
     def _sweep_files(self, pid: int) -> None:
@@ -448,6 +453,16 @@ class WorkerPool:
             for s in self.slots
         ]
 
+    def io_status(self) -> dict[str, dict]:
+        """Each object store's counters over every worker since the start (for status)."""
+        totals = self._io_of_the_dead
+        for slot in self.slots:
+            totals = _summed(totals, slot.io)
+        return {
+            store: {"requests": int(n), "bytes": int(b), "retries": int(r), "errors": int(e), "seconds": round(s, 3)}
+            for store, (n, b, r, e, s) in sorted(totals.items())
+        }
+
     def executor_status(self) -> dict:
         """Where batches are made: local workers, and the Ray cluster's state (for status)."""
         cfg = self.job.config
@@ -458,3 +473,11 @@ class WorkerPool:
             status |= {"address": cfg.ray_address, "state": state, "why": self.ray_lost}
             status |= {"in_flight": sum(s.task is not None for s in relays), "slots": cfg.ray_workers}
         return status
+
+
+def _summed(a: dict[str, list], b: dict[str, list]) -> dict[str, list]:
+    """Counters per store, added store by store."""
+    out = {store: list(values) for store, values in a.items()}
+    for store, values in b.items():
+        out[store] = [x + y for x, y in zip(out.get(store, [0] * len(values)), values)]
+    return out

@@ -58,6 +58,13 @@ METRICS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ("prefetchd_bad_samples_total", "counter", (), "unreadable samples replaced (--on-error replace)"),
     ("prefetchd_backing_off", "gauge", (), "1: the tmpfs is full and production waits for space"),
     ("prefetchd_refused_total", "counter", ("kind",), "peer input refused, by kind (message, position, ...)"),
+    ("prefetchd_store_unreachable", "gauge", (), "1: an object store does not answer and batches wait for it"),
+    ("prefetchd_store_requests_total", "counter", ("store",), "requests to an object store (s3://bucket, ...)"),
+    ("prefetchd_store_bytes_total", "counter", ("store",), "bytes read from an object store"),
+    ("prefetchd_store_retries_total", "counter", ("store",), "requests to an object store tried again"),
+    ("prefetchd_store_errors_total", "counter", ("store",), "requests to an object store that failed"),
+    ("prefetchd_store_request_seconds_total", "counter", ("store",),
+     "seconds spent in requests to an object store (÷ requests: the mean latency)"),
 )
 _BY_NAME = {name: (kind, labels, doc) for name, kind, labels, doc in METRICS}
 
@@ -110,6 +117,12 @@ def families(snapshot: dict) -> list[Metric]:
     refused = {"message": totals["bad_messages"], **totals["refused"]}  # one series from the start: rate() works
     for kind, count in sorted(refused.items()):
         put("prefetchd_refused_total", count, kind)
+    store = snapshot.get("store") or {}  # absent from a daemon older than object stores
+    put("prefetchd_store_unreachable", store.get("unreachable_s") is not None)
+    for name, io in (store.get("stores") or {}).items():
+        for field in ("requests", "bytes", "retries", "errors"):
+            put(f"prefetchd_store_{field}_total", io[field], name)
+        put("prefetchd_store_request_seconds_total", io["seconds"], name)
     return list(found.values())
 
 

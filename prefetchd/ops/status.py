@@ -81,8 +81,11 @@ def job_status(m) -> dict:  # m: the prefetchd.master.loop.Master, which imports
             "retain_per_rank": buffer.scheduler.retain,
         },
         "ranks": ranks,
-        "backing_off_no_space": m.no_space.backing_off,
-        "store": m.outage.snapshot(now),  # an object store's outage: how long so far, its last error
+        "backing_off_no_space": m.pauses.no_space.backing_off,
+        "store": {  # object stores: an outage (how long so far, its last error) and each store's counters
+            **m.pauses.outage.snapshot(now),
+            "stores": m.pool.io_status(),
+        },
         "executor": m.pool.executor_status(),
         "workers": {
             "count": len(workers),

@@ -212,6 +212,10 @@ class SampleBytes:
     def will_need(self, places: list[tuple[str, int, int]]) -> None:
         """The coming samples' places: a reader may ask for their bytes now (read-ahead)."""
 
+    def io_totals(self) -> dict[str, list]:
+        """Each object store's counters since the reader was made (sources.objects.IO_FIELDS)."""
+        return {}
+
     def close(self) -> None:
         pass
 

@@ -12,9 +12,13 @@ What this module promises its callers:
   range *if it still matches* (``If-Match``), and the answer's own size and ETag are compared
   too (a server that ignores ``If-Match``); a changed object is ObjectChanged, a data error,
   never bytes of two versions;
-- a fault of the store (no connection, a timeout, a reset, 429/5xx) is retried by obstore with
-  back-off and jitter, bounded in time (_RETRY); what is still failing after that is
-  StoreUnreachable, which is not the sample's fault: the batch waits, it does not replace it;
+- a fault of the store (no connection, a timeout, a reset, 429/5xx, a short body) is retried
+  here, with exponential back-off and full jitter, bounded in tries and time (_RETRIES,
+  _RETRY_WITHIN_S; here rather than in obstore, so each retry is counted); what is still failing
+  after that is StoreUnreachable, which is not the sample's fault: the batch waits, it does not
+  replace it;
+- each store's requests, bytes, retries, errors and seconds waited are counted (``totals``):
+  a worker's heartbeat carries them to the master, which shows them in ``status`` and metrics;
 - what the store refuses for good (404, 403, a bad request) is ObjectError with one line naming
   the URL and what to check;
 - no message carries a credential: URLs are shown without user info or query, and a store's
@@ -24,8 +28,10 @@ What this module promises its callers:
 
 from __future__ import annotations
 
+import random
 import re
 import threading
+import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,11 +43,15 @@ IN_FLIGHT = 16  # concurrent range requests per process: enough to hide 20-50 ms
 # Content-Length): below --worker-timeout's default 60 s, so the store is named, not a hung worker.
 _REQUEST_TIMEOUT = "20s"
 _CONNECT_TIMEOUT = "5s"
-_RETRY = {
-    "max_retries": 6,
-    "backoff": {"init_backoff": timedelta(milliseconds=100), "max_backoff": timedelta(seconds=2), "base": 2.0},
-    "retry_timeout": timedelta(seconds=10),
-}
+_NO_RETRY = {"max_retries": 0, "retry_timeout": timedelta(seconds=0)}  # obstore's own: retried here instead
+_RETRIES = 6
+_RETRY_WITHIN_S = 10.0  # no retry starts later than this after the first try
+# Back-off before retry n: a random time up to min(_FIRST_BACKOFF_S * 2**n, _MAX_BACKOFF_S) ("full
+# jitter": workers that failed together do not come back together). The cap is also how late a
+# store that is back is noticed: the trainer resumes within it.
+_FIRST_BACKOFF_S, _MAX_BACKOFF_S = 0.1, 1.0
+_STREAM_CHUNK = 1 << 20
+IO_FIELDS = ("requests", "bytes", "retries", "errors", "seconds")  # a store's counters, in this order
 _URL_IN_TEXT = re.compile(r"\b(?:https?|s3|gs)://[^\s'\"<>]+")
 _STATUS = re.compile(r"\b(?:status code|status): ?(\d{3})\b")
 
@@ -139,16 +149,55 @@ class Objects:
         self._stores: dict[tuple[str, str], object] = {}
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
+        self._totals: dict[str, list] = {}  # "scheme://bucket" -> IO_FIELDS
+
+    def totals(self) -> dict[str, list]:
+        """Each store's counters since this was made: IO_FIELDS."""
+        with self._lock:
+            return {store: list(values) for store, values in self._totals.items()}
 
     def head(self, url: str) -> ObjectInfo:
-        store, path = self._store(url)
         import obstore
 
-        try:
-            meta = obstore.head(store, path)
-        except Exception as exc:  # noqa: BLE001 - obstore's errors are sorted by _failure
-            raise _failure(url, exc) from None
+        store, path = self._store(url)
+        meta = self._retried(url, lambda: obstore.head(store, path))
         return ObjectInfo(int(meta["size"]), meta.get("e_tag") or "")
+
+    def _retried(self, url: str, request):
+        """``request()``'s result, retried while the store does not answer (StoreUnreachable)."""
+        first = time.monotonic()
+        for attempt in range(_RETRIES + 1):
+            began = time.monotonic()
+            try:
+                try:
+                    result = request()
+                except Exception as exc:  # noqa: BLE001 - obstore's errors are sorted by _failure
+                    raise _failure(url, exc) from None
+                self._count(url, began, size=len(result) if isinstance(result, bytes) else 0)
+                return result
+            except StoreUnreachable:
+                self._count(url, began, error=True)
+                backoff = random.uniform(0, min(_FIRST_BACKOFF_S * 2**attempt, _MAX_BACKOFF_S))
+                if attempt == _RETRIES or time.monotonic() + backoff - first > _RETRY_WITHIN_S:
+                    raise
+                self._count(url, began, retry=True)
+                time.sleep(backoff)
+            except (ObjectError, ObjectChanged):
+                self._count(url, began, error=True)
+                raise
+        raise AssertionError("unreachable")  # the loop returns or raises
+
+    def _count(self, url: str, began: float, size: int = 0, error: bool = False, retry: bool = False) -> None:
+        key = _store_name(url)
+        with self._lock:
+            values = self._totals.setdefault(key, [0, 0, 0, 0, 0.0])
+            if retry:
+                values[2] += 1
+                return
+            values[0] += 1
+            values[1] += size
+            values[3] += error
+            values[4] += time.monotonic() - began
 
     def read(self, url: str, start: int, end: int, info: ObjectInfo) -> bytes:
         """Bytes [start, end) of the object ``info`` says it is; ObjectChanged when it is not."""
@@ -156,27 +205,40 @@ class Objects:
             raise ObjectError(f"{shown(url)}: bytes {start}-{end} lie outside its {info.size} bytes")
         if start == end:
             return b""
-        store, path = self._store(url)
         import obstore
 
+        store, path = self._store(url)
         options: dict = {"range": (start, end)}
         if info.etag:
             options["if_match"] = info.etag
-        try:
+
+        def get() -> bytes:
             result = obstore.get(store, path, options=options)
             meta = result.meta
-            data = bytes(result.bytes())
-        except Exception as exc:  # noqa: BLE001
-            raise _failure(url, exc) from None
-        got = ObjectInfo(int(meta["size"]), meta.get("e_tag") or "")
-        if got.size != info.size or (info.etag and got.etag and got.etag != info.etag):
-            raise ObjectChanged(
-                f"{shown(url)} changed under the running job: indexed as {info.size} bytes, ETag {info.etag or '-'}, "
-                f"now {got.size} bytes, ETag {got.etag or '-'}; start the job again to index it anew"
-            )
-        if len(data) != end - start:
-            raise StoreUnreachable(url, f"asked for {end - start} bytes at {start}, the store sent {len(data)}")
-        return data
+            got = ObjectInfo(int(meta["size"]), meta.get("e_tag") or "")
+            if got.size != info.size or (info.etag and got.etag and got.etag != info.etag):
+                raise ObjectChanged(
+                    f"{shown(url)} changed under the running job: indexed as {info.size} bytes, ETag "
+                    f"{info.etag or '-'}, now {got.size} bytes, ETag {got.etag or '-'}; start the job again to index "
+                    "it anew"
+                )
+            if tuple(result.range) != (start, end):
+                raise ObjectError(
+                    f"{shown(url)}: asked for bytes {start}-{end}, the store answers with bytes {result.range[0]}-"
+                    f"{result.range[1]}: it does not serve ranges as S3 and HTTP/1.1 servers do"
+                )
+            # Streamed, never result.bytes(): that allocates what the answer's Content-Length
+            # claims before a byte arrives (a lying header of 1 PiB aborts the process).
+            data = bytearray()
+            for chunk in result.stream(min_chunk_size=_STREAM_CHUNK):
+                data += chunk
+                if len(data) > end - start:
+                    raise ObjectError(f"{shown(url)}: the store sends more than the {end - start} bytes asked for")
+            if len(data) != end - start:  # a body cut short that the client took for whole
+                raise StoreUnreachable(url, f"asked for {end - start} bytes at {start}, the store sent {len(data)}")
+            return bytes(data)
+
+        return self._retried(url, get)
 
     def read_many(self, url: str, ranges: list[tuple[int, int]], info: ObjectInfo) -> list:
         """Futures of ``read`` for each range, IN_FLIGHT at a time."""
@@ -203,6 +265,12 @@ class Objects:
         return store, path
 
 
+def _store_name(url: str) -> str:
+    """The store a URL is in, as counters name it: scheme://bucket or scheme://host."""
+    parts = urllib.parse.urlsplit(url)
+    return f"{parts.scheme.lower()}://{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")
+
+
 def _make_store(scheme: str, where: str):
     try:
         from obstore.store import GCSStore, HTTPStore, S3Store
@@ -218,11 +286,11 @@ def _make_store(scheme: str, where: str):
             endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
             if endpoint.lower().startswith("http://"):  # a local S3-compatible store says so itself
                 options["allow_http"] = True
-            return S3Store(where, client_options=options, retry_config=_RETRY)
+            return S3Store(where, client_options=options, retry_config=_NO_RETRY)
         if scheme == "gs":
-            return GCSStore(where, client_options=options, retry_config=_RETRY)
+            return GCSStore(where, client_options=options, retry_config=_NO_RETRY)
         options["allow_http"] = scheme == "http"
-        return HTTPStore.from_url(f"{scheme}://{where}/", client_options=options, retry_config=_RETRY)
+        return HTTPStore.from_url(f"{scheme}://{where}/", client_options=options, retry_config=_NO_RETRY)
     except Exception as exc:  # noqa: BLE001 - a bad configuration, named by obstore
         raise ObjectError(f"{scheme}://{where}: the store cannot be configured: {first_line(exc)}") from None
 
@@ -231,6 +299,8 @@ def _failure(url: str, exc: BaseException) -> Exception:
     """obstore's exception as ObjectError (for good), ObjectChanged or StoreUnreachable (for now)."""
     from obstore import exceptions as ox
 
+    if isinstance(exc, ObjectError | ObjectChanged | StoreUnreachable):  # sorted already (a check of ours)
+        return exc
     why = first_line(exc)
     if isinstance(exc, ox.PreconditionError):
         return ObjectChanged(
@@ -249,74 +319,3 @@ def _failure(url: str, exc: BaseException) -> Exception:
     if status and status.group(1)[0] == "4" and status.group(1) not in ("408", "429"):
         return ObjectError(f"{shown(url)}: the store answers {status.group(1)}: {why}")
     return StoreUnreachable(url, why)
-
-
-class ObjectFile:
-    """An object read as a seekable binary file (what tarfile and pyarrow take), in ranges of
-    ``chunk`` bytes: reading it through once streams it once. ``pread`` reads at an offset
-    without moving. The two chunks last read are kept (a member's header, then its data)."""
-
-    def __init__(self, objects: Objects, url: str, info: ObjectInfo, chunk: int = 8 << 20):
-        self.objects, self.url, self.info, self.chunk = objects, url, info, chunk
-        self.name = url
-        self._pos = 0
-        self._chunks: dict[int, bytes] = {}
-        self.fetched = 0  # bytes asked of the store
-
-    def pread(self, size: int, offset: int) -> bytes:
-        end = min(offset + max(size, 0), self.info.size)
-        if offset >= end:
-            return b""
-        parts = []
-        for i in range(offset // self.chunk, (end - 1) // self.chunk + 1):
-            data = self._chunk_at(i)
-            base = i * self.chunk
-            parts.append(data[max(offset - base, 0) : end - base])
-        return b"".join(parts)
-
-    def _chunk_at(self, i: int) -> bytes:
-        data = self._chunks.get(i)
-        if data is None:
-            start = i * self.chunk
-            data = self.objects.read(self.url, start, min(start + self.chunk, self.info.size), self.info)
-            self.fetched += len(data)
-            if len(self._chunks) >= 2:
-                self._chunks.pop(next(iter(self._chunks)))
-            self._chunks[i] = data
-        return data
-
-    def read(self, size: int = -1) -> bytes:
-        if size is None or size < 0:
-            size = self.info.size - self._pos
-        data = self.pread(size, self._pos)
-        self._pos += len(data)
-        return data
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = (0, self._pos, self.info.size)[whence]
-        if base + offset < 0:
-            raise ValueError(f"negative seek position {base + offset}")
-        self._pos = base + offset
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    @property
-    def closed(self) -> bool:
-        return False
-
-    def close(self) -> None:
-        self._chunks.clear()
-
-    def __enter__(self) -> ObjectFile:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()

@@ -62,6 +62,15 @@ class SampleReader:
         """The sample's place, for messages: ``where``, with a file of its own called one."""
         return f"file {self.index.path(sid)}" if self.index.kind(sid) == FILE else self.where(sid)
 
+    def io_totals(self) -> dict[str, list]:
+        """Each object store's counters over this process's readers (sources.objects.IO_FIELDS).
+        Read by the heartbeat thread: a reader made meanwhile is counted at the next beat."""
+        totals: dict[str, list] = {}
+        for reader in list(self._readers.values()):
+            for store, values in reader.io_totals().items():
+                totals[store] = [a + b for a, b in zip(totals.get(store, [0] * len(values)), values)]
+        return totals
+
     def close(self) -> None:
         for reader in self._readers.values():
             reader.close()

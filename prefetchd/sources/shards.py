@@ -33,6 +33,7 @@ from prefetchd import stopsignals
 from prefetchd.errors import DataError
 from prefetchd.sources import objects
 from prefetchd.sources.index import SampleIndex, open_data_file
+from prefetchd.sources.objectfile import ObjectFile
 from prefetchd.sources.places import TAR_MEMBER
 from prefetchd.sources.shardcache import (
     _cache_file,
@@ -209,7 +210,7 @@ def _object_index(
             cache = _object_cache_file(url, info.size, info.etag, label_key)
             table = _load_cached(cache, info.size)
             if table is None:
-                with objects.ObjectFile(store, url, info) as f:
+                with ObjectFile(store, url, info) as f:
                     table = index_tar(f, f.pread, url, label_key)
                 _save_cached(cache, table)
     except objects.StoreUnreachable as exc:
@@ -219,6 +220,11 @@ def _object_index(
         ) from None
     except objects.ObjectError as exc:
         raise DataError(f"{where}: shard {exc}") from None
+    except objects.ObjectChanged:
+        raise DataError(
+            f"{where}: shard {objects.shown(url)} changed while it was indexed (the store gave it another ETag "
+            "from one request to the next); start again once it is written, or fix a store whose ETags change"
+        ) from None
     except (tarfile.TarError, ValueError, RecursionError) as exc:
         raise DataError(f"{where}: shard {objects.shown(url)} is not a readable tar file ({exc}); check urls") from None
     return info, table

@@ -12,6 +12,7 @@ from concurrent.futures import Future
 
 from prefetchd.sources import objects
 from prefetchd.sources.index import MAX_FILE_BYTES, SampleBytes, open_data_file
+from prefetchd.sources.objectfile import ObjectFile
 from prefetchd.sources.tarformat import (
     BY_HEADER,
     IMAGE_KEYS,
@@ -159,6 +160,9 @@ class TarMembers(SampleBytes):
             futures = self._objects().read_many(shard, merged, info)
             self._ahead[shard] = [(a, b, future) for (a, b), future in zip(merged, futures)]
 
+    def io_totals(self) -> dict[str, list]:
+        return {} if self._store is None else self._store.totals()
+
     def close(self) -> None:
         self._drop_ahead()
         while self._fds:
@@ -203,7 +207,7 @@ class TarMembers(SampleBytes):
     def _opened(self, shard: str):
         """(a file object at the shard, its pread) to read a member as its header defines it."""
         if objects.is_url(shard):
-            with objects.ObjectFile(self._objects(), shard, self._info(shard), chunk=_MEMBER_CHUNK) as f:
+            with ObjectFile(self._objects(), shard, self._info(shard), chunk=_MEMBER_CHUNK) as f:
                 yield f, f.pread
             return
         fd = self._fd(shard)

@@ -92,6 +92,7 @@ class SampleProgress:
 
     finished: int = 0
     current: tuple[int, str] | None = None  # (sample id, path) being made: named when it hangs
+    io: Callable[[], dict] = dict  # each object store's counters (SampleReader.io_totals), once a producer runs
 
 
 _ADDED = {"label", "index", "valid"}  # what prefetchd adds to the fields a pipeline callable returns
@@ -213,6 +214,7 @@ class BatchProducer:
         self.plan = Plan.from_json(spec.plan)
         self.index = SampleIndex.load(self.paths.dir / "index") if index is None else index
         self.reader = SampleReader(self.index, spec.sources, self.plan.source_sizes)
+        self.progress.io = self.reader.io_totals
         if spec.pipeline:
             self._user_fn = load_callable(spec.pipeline)
             self._image = None

@@ -41,7 +41,7 @@ def _send_heartbeats(conn, progress: SampleProgress) -> None:
         time.sleep(HEARTBEAT_S)
         current = progress.current
         sample = None if current is None else [current[0], _printable(current[1])]
-        beat = Heartbeat(samples=progress.finished, sample=sample)
+        beat = Heartbeat(samples=progress.finished, sample=sample, io=progress.io())
         try:
             _send(conn, beat)
         except OSError:

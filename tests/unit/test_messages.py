@@ -18,8 +18,10 @@ EVERY_MESSAGE = [
     BootFailed(error="Traceback ...\nImportError: no module named x"),
     Heartbeat(samples=7, sample=None),
     Heartbeat(samples=8, sample=[12, "/data/a/\udcff.jpg"]),
+    Heartbeat(samples=9, sample=None, io={"s3://bucket": [3, 120_000, 1, 1, 0.25]}),
     Done(1, 2, 3, True, [4, 0], [{"slot": 0, "index": 9, "path": "/x.jpg", "error": "bad", "replacement": 10}], 1),
     Failed(1, 2, 3, "ENOSPC", sample=False, nospace=True),
+    Failed(1, 2, 3, "s3://b/x.tar: no answer", sample=False, nospace=False, unreachable=True),
 ]
 
 
@@ -32,7 +34,8 @@ def _wire(msg) -> dict:
     return json.loads(messages.encode(msg))
 
 
-DONE = _wire(EVERY_MESSAGE[6])
+DONE = _wire(EVERY_MESSAGE[7])
+BEAT = {"op": "heartbeat", "samples": 1, "sample": None, "io": {}}
 HOSTILE = {
     "not json": b"{op: done",
     "not utf-8": b'{"op": "stop"\xff}',
@@ -53,7 +56,12 @@ HOSTILE = {
     "a field spec's shape not counts": json.dumps(
         {"op": "ready", "fields": [{"name": "x", "dtype": "uint8", "shape": ["4"]}]}
     ).encode(),
-    "a heartbeat's sample malformed": json.dumps({"op": "heartbeat", "samples": 1, "sample": [1]}).encode(),
+    "a heartbeat's sample malformed": json.dumps(BEAT | {"sample": [1]}).encode(),
+    "a heartbeat's store counts short": json.dumps(BEAT | {"io": {"s3://b": [1, 2]}}).encode(),
+    "a heartbeat's store counts negative": json.dumps(BEAT | {"io": {"s3://b": [1, 2, 0, 0, -1.0]}}).encode(),
+    "a heartbeat's store counts not numbers": json.dumps(BEAT | {"io": {"s3://b": [1, 2, 0, 0, "1"]}}).encode(),
+    "a heartbeat's store counts NaN": json.dumps(BEAT | {"io": {"s": [1, 0, 0, 0, float("nan")]}}).encode(),
+    "a heartbeat of too many stores": json.dumps(BEAT | {"io": {str(i): [0] * 5 for i in range(65)}}).encode(),
     "failed without nospace": json.dumps(
         {"op": "failed", "epoch": 0, "step": 0, "rank": 0, "error": "x", "sample": False}
     ).encode(),
@@ -68,7 +76,7 @@ def test_anything_else_on_the_pipe_is_a_bad_worker_message(data):
 
 
 def test_a_result_names_its_task():
-    assert EVERY_MESSAGE[6].task == (1, 2, 3) and EVERY_MESSAGE[7].task == (1, 2, 3)
+    assert EVERY_MESSAGE[7].task == (1, 2, 3) and EVERY_MESSAGE[8].task == (1, 2, 3)
 
 
 def test_a_producer_spec_of_another_version_is_refused_by_name():

@@ -1,0 +1,163 @@
+"""A real daemon serving WebDataset shards from object storage: a moto S3 bucket and a plain HTTP
+server with byte ranges, both on loopback in this process (tests/objectstores.py), the daemon and
+its workers in their own processes configured by the S3 tools' environment. The batches are
+those of the same shards on disk, byte for byte; an outage of the store loses and mixes nothing;
+an object rewritten under the job stops it naming the object."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from prefetchd.errors import ExitCode
+from prefetchd_client import PrefetchLoader
+from prefetchd_client.layout import JobPaths
+from prefetchd_client.manifest import read_stopped
+from tests.conftest import cli, wait_until, write_config
+from tests.daemon.resume.test_resume import SAMPLES
+from tests.helpers import read_epoch
+from tests.objectstores import MotoS3, RangeServer
+
+pytestmark = pytest.mark.timeout(180)
+BATCH = 8
+
+
+@pytest.fixture(scope="module")
+def packed(jpeg_folder, tmp_path_factory) -> Path:
+    """The jpeg_folder packed into shards of ~40 KB, each with its index object."""
+    out = tmp_path_factory.mktemp("shards")
+    result = cli("pack", str(jpeg_folder), str(out), "--shard-size", "40K")
+    assert result.returncode == 0, result.stderr
+    return out
+
+
+def shard_names(packed: Path) -> list[str]:
+    return [s["name"] for s in json.loads((packed / "pack.json").read_text())["shards"]]
+
+
+def urls_of(base: str, packed: Path) -> str:
+    return f"{base}/shard-{{000000..{len(shard_names(packed)) - 1:06d}}}.tar"
+
+
+def start(tmp_path: Path, name: str, source: str, env: dict, *flags: str, extra: str = "") -> JobPaths:
+    config = write_config(tmp_path, "", name=name, batch_size=BATCH, seed=7, buffer="256K", source=source, extra=extra)
+    result = cli("start", str(config), *flags, env=env)
+    assert result.returncode == 0, result.stderr
+    return JobPaths.of(name)
+
+
+def status(name: str, env: dict) -> dict:
+    result = cli("status", name, "--json", env=env)
+    return json.loads(result.stdout) if result.returncode == 0 else {}
+
+
+def local_batches(tmp_path: Path, packed: Path, job_root) -> list:
+    start(tmp_path, "local", f'kind = "webdataset"\nurls = "{urls_of(str(packed), packed)}"', {})
+    try:
+        return read_epoch("local", epochs=2)
+    finally:
+        cli("stop", "local")
+
+
+def assert_same(a: list, b: list) -> None:
+    assert len(a) == len(b) == 2 * SAMPLES // BATCH
+    for x, y in zip(a, b):
+        for field in ("index", "label", "image"):
+            np.testing.assert_array_equal(x.arrays[field], y.arrays[field])
+
+
+def test_shards_in_a_bucket_make_the_batches_of_the_same_shards_on_disk(tmp_path, packed, job_root):
+    expected = local_batches(tmp_path, packed, job_root)
+    with MotoS3() as s3:
+        for name in shard_names(packed):
+            s3.put(f"wds/{name}", (packed / name).read_bytes())
+            s3.put(f"wds/{name}.idx", (packed / f"{name}.idx").read_bytes())
+        s3.reset_counts()
+        start(tmp_path, "s3", f'kind = "webdataset"\nurls = "{urls_of(s3.url("wds"), packed)}"', s3.env)
+        try:
+            assert_same(expected, read_epoch("s3", epochs=2))
+            assert not any(path.endswith(".tar") and rng is None for path, rng in s3.ranges)  # ranges only
+            shown = status("s3", s3.env)["store"]
+            assert (shown["unreachable_s"], shown["error"], shown["outages"]) == (None, None, 0)
+            io = shown["stores"][f"s3://{s3.bucket}"]  # what the workers' heartbeats carried
+            assert io["requests"] > 0 and io["bytes"] > 0 and io["errors"] == 0 and io["seconds"] > 0
+        finally:
+            cli("stop", "s3", env=s3.env)
+    log = (job_root / "s3" / "daemon.log").read_text() if (job_root / "s3").exists() else ""
+    assert s3.SECRET_ACCESS_KEY not in log
+
+
+@pytest.mark.parametrize("outage_s", [pytest.param(3.0, id="3s"), pytest.param(10.0, id="10s", marks=pytest.mark.long)])
+def test_an_outage_of_the_store_mid_epoch_loses_and_mixes_nothing(tmp_path, packed, job_root, outage_s):
+    """The store goes down after the first batches (the buffer holds a few): the trainer waits,
+    status says why, and the batches once it is back are those of an uninterrupted run."""
+    expected = local_batches(tmp_path, packed, job_root)
+    objects = {f"/wds/{name}": (packed / name).read_bytes() for name in shard_names(packed)}
+    with RangeServer(objects) as server:
+        env = {"AWS_ALLOW_HTTP": "true"}
+        start(tmp_path, "web", f'kind = "webdataset"\nurls = "{urls_of(server.url("wds"), packed)}"', env)
+        try:
+            got, gaps = [], []
+            loader = PrefetchLoader("web", timeout=60, as_tensors=False)
+            came_back = None
+            for epoch in range(2):
+                for batch in loader:
+                    got.append(type(expected[0])(epoch, len(got), {k: v.copy() for k, v in batch.items()}, None))
+                    if len(got) == 2:
+                        server.down_for(outage_s)
+                        wait_until(
+                            lambda: (status("web", env).get("store") or {}).get("unreachable_s") is not None,
+                            timeout_s=outage_s + 20,
+                            what="status showing the store unreachable",
+                        )
+                        wait_until(lambda: server.port and _listening(server.port), timeout_s=outage_s + 10)
+                        came_back = time.monotonic()
+                    elif came_back is not None:
+                        gaps.append(time.monotonic() - came_back)
+                        came_back = None
+            assert_same(expected, got)
+            assert gaps and gaps[0] < 2.0 + 1.0, gaps  # the store's client backs off at most 1 s between tries
+            shown = status("web", env)["store"]
+            assert shown["outages"] == 1 and shown["unreachable_s"] is None
+        finally:
+            cli("stop", "web", env=env)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(0.2)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_an_object_rewritten_under_the_job_stops_it_naming_the_object(tmp_path, packed, job_root):
+    names = shard_names(packed)
+    objects = {f"/wds/{name}": (packed / name).read_bytes() for name in names}
+    with RangeServer(objects) as server:
+        env = {"AWS_ALLOW_HTTP": "true"}
+        paths = start(tmp_path, "moved", f'kind = "webdataset"\nurls = "{urls_of(server.url("wds"), packed)}"', env)
+        for path in list(server.objects):  # every shard: whichever the next batch reads has changed
+            server.objects[path] = server.objects[path][::-1]
+        with pytest.raises(Exception, match="stopped|not running|changed"):
+            read_epoch("moved", epochs=3, timeout=30)
+        stopped = wait_until(lambda: read_stopped(paths), timeout_s=30, what="stopped.json")
+        assert stopped["exit_code"] == ExitCode.SAMPLE_ERROR, stopped
+        assert "changed under the running job" in stopped["message"] and server.url("wds") in stopped["message"]
+
+
+def test_a_store_down_past_store_timeout_stops_the_daemon_with_its_own_exit(tmp_path, packed, job_root):
+    objects = {f"/wds/{name}": (packed / name).read_bytes() for name in shard_names(packed)}
+    with RangeServer(objects) as server:
+        env = {"AWS_ALLOW_HTTP": "true"}
+        source = f'kind = "webdataset"\nurls = "{urls_of(server.url("wds"), packed)}"'
+        paths = start(tmp_path, "gone", source, env, "--store-timeout", "2")
+        server.stop()
+        with pytest.raises(Exception, match="stopped|not running|store"):
+            read_epoch("gone", epochs=3, timeout=40)
+        stopped = wait_until(lambda: read_stopped(paths), timeout_s=40, what="stopped.json")
+        assert stopped["exit_code"] == ExitCode.STORE_UNREACHABLE, stopped
+        assert "has not answered" in stopped["message"] and server.url("wds") in stopped["message"]
