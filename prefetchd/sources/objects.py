@@ -286,6 +286,9 @@ def _make_store(scheme: str, where: str):
             endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
             if endpoint.lower().startswith("http://"):  # a local S3-compatible store says so itself
                 options["allow_http"] = True
+            if os.environ.get("AWS_PROFILE") and not os.environ.get("AWS_ACCESS_KEY_ID"):
+                provider = _profile_credentials(os.environ["AWS_PROFILE"])
+                return S3Store(where, credential_provider=provider, client_options=options, retry_config=_NO_RETRY)
             return S3Store(where, client_options=options, retry_config=_NO_RETRY)
         if scheme == "gs":
             return GCSStore(where, client_options=options, retry_config=_NO_RETRY)
@@ -293,6 +296,24 @@ def _make_store(scheme: str, where: str):
         return HTTPStore.from_url(f"{scheme}://{where}/", client_options=options, retry_config=_NO_RETRY)
     except Exception as exc:  # noqa: BLE001 - a bad configuration, named by obstore
         raise ObjectError(f"{scheme}://{where}: the store cannot be configured: {first_line(exc)}") from None
+
+
+def _profile_credentials(profile: str):
+    """The credentials of an AWS CLI profile (~/.aws/credentials and config, SSO, roles), read as
+    the AWS CLI reads them, by boto3: obstore's own reader knows no profiles."""
+    try:
+        import boto3
+        from obstore.auth.boto3 import Boto3CredentialProvider
+    except ImportError:
+        raise ObjectError(
+            f"AWS_PROFILE={profile} is set: reading a profile needs boto3 (pip install boto3), or give "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY instead"
+        ) from None
+    try:
+        return Boto3CredentialProvider(boto3.Session(profile_name=profile))
+    except Exception as exc:  # noqa: BLE001 - botocore's ProfileNotFound, no credentials in it, ...
+        why = first_line(exc)
+        raise ObjectError(f"AWS_PROFILE={profile}: {why}; check ~/.aws/credentials and ~/.aws/config") from None
 
 
 def _failure(url: str, exc: BaseException) -> Exception:
