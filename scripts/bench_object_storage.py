@@ -169,11 +169,21 @@ def main() -> None:
         help="the store: moto (the whole S3 API; ~8 ms of CPU a ranged GET of an 8 MB shard, on these 2 cores) "
         "or a static HTTP server answering the S3 GET and HEAD that reads use",
     )
+    parser.add_argument(
+        "--store-cpus",
+        type=int,
+        default=1,
+        help="CPUs given to the store's process alone (the last ones); the pipeline, both runs alike, gets the "
+        "rest: on a node the store's CPU is elsewhere (0: everything shares every CPU)",
+    )
     parser.add_argument("--serve", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         serve(args.serve, args.delay_ms, args.server)
         return
+    cpus = sorted(os.sched_getaffinity(0))
+    store_cpus = set(cpus[len(cpus) - args.store_cpus :]) if 0 < args.store_cpus < len(cpus) else set(cpus)
+    pipeline_cpus = set(cpus) - store_cpus or set(cpus)
 
     from prefetchd.cli.datagen import make_image_folder
 
@@ -200,7 +210,9 @@ def main() -> None:
             [sys.executable, __file__, "--serve", str(store_files), "--delay-ms", str(args.delay_ms),
              "--server", args.server],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            preexec_fn=lambda: os.sched_setaffinity(0, store_cpus),
         )  # fmt: skip
+        os.sched_setaffinity(0, pipeline_cpus)  # the trainer, the command, the daemon and its workers inherit it
         hello = json.loads(server.stdout.readline())
 
         def ask(what: str) -> dict:
@@ -244,6 +256,8 @@ def main() -> None:
                     "workers": args.workers,
                     "delay_ms": args.delay_ms,
                     "server": args.server,
+                    "pipeline_cpus": sorted(pipeline_cpus),
+                    "store_cpus": sorted(store_cpus),
                     "median": med,
                     "s3_over_local_per_run": [round(r, 3) for r in ratios],
                     "s3_over_local_median": round(statistics.median(ratios), 3),

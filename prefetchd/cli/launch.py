@@ -27,10 +27,15 @@ from prefetchd_client.errors import AuthError, UnsafeFolder
 from prefetchd_client.folders import OpenJob, open_job
 from prefetchd_client.layout import JobPaths
 from prefetchd_client.locks import daemon_alive, lock_holder
+from prefetchd_client.text import printable
 
 if TYPE_CHECKING:  # annotations only: `stop` and `status` need no config (numpy, Pillow)
+    from pathlib import Path
+
     from prefetchd.config import Config
 
+_PROGRESS_EVERY_S = 1.0  # how often a waiting start looks for progress lines in the daemon's log
+_PROGRESS_LINE = ": indexed "  # sources.shards._Progress's lines
 _START_TIMEOUT_S = 600.0  # indexing a million files on a network filesystem takes a while
 _STOP_TIMEOUT_S = 15.0
 _CANCEL_WAIT_S = 20.0  # to leave its imports, or undo a start (pool.halt, the job folder); then it is killed
@@ -135,7 +140,7 @@ def _hand_over(daemon: DaemonLaunch, config: Config, paths: JobPaths, keep: bool
     proc = daemon.proc
     try:
         daemon.send(config, paths, keep)
-        line = _read_line(daemon.ready_fd, timeout_s)
+        line = _read_line(daemon.ready_fd, timeout_s, _ProgressEcho(paths.log))
         if line is None:
             proc.kill()
             proc.wait()
@@ -187,13 +192,43 @@ def _wait_exit(proc: subprocess.Popen, timeout_s: float) -> int:
         return proc.wait()
 
 
-def _read_line(fd: int, timeout_s: float) -> bytes | None:
-    """Bytes up to EOF or newline (at most _MAX_MESSAGE_BYTES); None on timeout."""
+class _ProgressEcho:
+    """The progress lines of a long start (indexing many shards in a store) as the daemon logs
+    them, shown on the command's stderr while it waits: the log is the job's own, in a folder
+    the start made private; read from where the last look ended, never following a symlink."""
+
+    def __init__(self, log: Path):
+        self.log, self.offset, self.next_look = log, 0, 0.0
+
+    def show_new(self) -> None:
+        if time.monotonic() < self.next_look:
+            return
+        self.next_look = time.monotonic() + _PROGRESS_EVERY_S
+        try:
+            fd = os.open(self.log, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError:  # not there yet
+            return
+        try:
+            data = os.pread(fd, _MAX_MESSAGE_BYTES, self.offset)
+        finally:
+            os.close(fd)
+        whole = data[: data.rfind(b"\n") + 1]
+        self.offset += len(whole)
+        for line in whole.decode("utf-8", "replace").splitlines():
+            if _PROGRESS_LINE in line:
+                print(printable(line.partition(" INFO ")[2] or line), file=sys.stderr, flush=True)
+
+
+def _read_line(fd: int, timeout_s: float, progress: _ProgressEcho | None = None) -> bytes | None:
+    """Bytes up to EOF or newline (at most _MAX_MESSAGE_BYTES); None on timeout. ``progress``
+    is shown meanwhile."""
     data, deadline = b"", time.monotonic() + timeout_s
     while b"\n" not in data and len(data) < _MAX_MESSAGE_BYTES:
         left = deadline - time.monotonic()
         if left <= 0:
             return None
+        if progress is not None:
+            progress.show_new()
         if stopsignals.readable_unless_stopped(fd, left):
             chunk = os.read(fd, 65536)
             if not chunk:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 SCHEMES = ("s3", "gs", "http", "https")
-IN_FLIGHT = 16  # concurrent range requests per process: enough to hide 20-50 ms of latency per batch
+IN_FLIGHT = 32  # concurrent range requests per process: a batch's, so its latency is paid once
 # A request that has not finished in this long is abandoned (an endless body, a lying
 # Content-Length): below --worker-timeout's default 60 s, so the store is named, not a hung worker.
 _REQUEST_TIMEOUT = "20s"
@@ -240,12 +240,12 @@ class Objects:
 
         return self._retried(url, get)
 
-    def read_many(self, url: str, ranges: list[tuple[int, int]], info: ObjectInfo) -> list:
-        """Futures of ``read`` for each range, IN_FLIGHT at a time."""
+    def submit(self, url: str, start: int, end: int, info: ObjectInfo):
+        """A Future of ``read``; IN_FLIGHT of them run at a time, in the order submitted."""
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="prefetchd-read")
-        return [self._pool.submit(self.read, url, a, b, info) for a, b in ranges]
+        return self._pool.submit(self.read, url, start, end, info)
 
     def close(self) -> None:
         if self._pool is not None:

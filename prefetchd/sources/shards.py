@@ -119,14 +119,16 @@ def scan_webdataset(src: dict, where: str) -> SampleIndex:
         progress.done_one()
         return table
 
-    try:
-        if store is None:
-            tables = [index_one(shard) for shard in shards]  # a missing shard stops it before the rest
-        else:
-            with ThreadPoolExecutor(_INDEXING_THREADS, thread_name_prefix="prefetchd-index") as pool:
-                tables = list(pool.map(index_one, shards))
-    finally:
-        if store is not None:
+    if store is None:
+        tables = [index_one(shard) for shard in shards]  # a missing shard stops it before the rest
+    else:
+        pool = ThreadPoolExecutor(_INDEXING_THREADS, thread_name_prefix="prefetchd-index")
+        try:
+            tables = list(pool.map(index_one, shards))
+        finally:
+            # The first failure (a missing shard, a store down, a stop) ends it: the shards not
+            # begun are not, or a store that is down would be asked about each in turn.
+            pool.shutdown(wait=True, cancel_futures=True)
             store.close()
     counts = [len(table) for table in tables]
     if not sum(counts):

@@ -134,31 +134,37 @@ class TarMembers(SampleBytes):
         return f"a sample whose key repeats (member {name} at byte {header})"
 
     def will_need(self, places: list[tuple[str, int, int]]) -> None:
-        """The coming samples' image members, in shard-offset order, up to READ_AHEAD_BYTES: a
-        local shard's read in by the kernel now; a store's asked for now, several requests in
-        flight, members that lie close together in one request (each with its header)."""
+        """The coming samples' image members (in the order they will be read), up to
+        READ_AHEAD_BYTES: a local shard's read in by the kernel now, in shard-offset order; a
+        store's asked for now, objects.IN_FLIGHT requests at a time, members that lie close
+        together in one request (each with its header), the request the batch reads first first."""
         self._drop_ahead()
         budget = READ_AHEAD_BYTES
-        wanted: dict[str, list[tuple[int, int]]] = {}
-        for shard, offset, size in sorted(places):
+        wanted: dict[str, list[tuple[int, int, int]]] = {}  # shard URL -> (start, end, first use) of each member
+        local = []
+        for used, (shard, offset, size) in enumerate(places):
             if offset < tarfile.BLOCKSIZE or size > budget:
                 continue
             budget -= size
             if objects.is_url(shard):
-                wanted.setdefault(shard, []).append((offset - tarfile.BLOCKSIZE, offset + size))
-                continue
+                wanted.setdefault(shard, []).append((offset - tarfile.BLOCKSIZE, offset + size, used))
+            else:
+                local.append((shard, offset, size))
+        for shard, offset, size in sorted(local):
             try:
                 os.posix_fadvise(self._fd(shard), offset, size, os.POSIX_FADV_WILLNEED)
             except (OSError, ValueError):  # read() says what is wrong with it
                 continue
-        for shard, ranges in wanted.items():
+        requests = []
+        for shard, members in wanted.items():
             try:
                 info = self._info(shard)
             except objects.ObjectError:  # read() says so, for its sample
                 continue
-            merged = coalesce(ranges, _COALESCE_GAP, info.size)
-            futures = self._objects().read_many(shard, merged, info)
-            self._ahead[shard] = [(a, b, future) for (a, b), future in zip(merged, futures)]
+            for a, b, first in coalesce(members, _COALESCE_GAP, info.size):
+                requests.append((first, shard, a, b, info))
+        for _, shard, a, b, info in sorted(requests, key=lambda r: r[0]):
+            self._ahead.setdefault(shard, []).append((a, b, self._objects().submit(shard, a, b, info)))
 
     def io_totals(self) -> dict[str, list]:
         return {} if self._store is None else self._store.totals()
@@ -255,13 +261,15 @@ class TarMembers(SampleBytes):
         return info.name if info.name.isascii() and info.name.isprintable() else None
 
 
-def coalesce(ranges: list[tuple[int, int]], gap: int, size: int) -> list[tuple[int, int]]:
-    """Sorted ``ranges`` [a, b) merged where fewer than ``gap`` bytes lie between them, each cut to ``size``."""
+def coalesce(ranges: list[tuple[int, int, int]], gap: int, size: int) -> list[tuple[int, int, int]]:
+    """Ranges [a, b) merged where fewer than ``gap`` bytes lie between them, in offset order, each
+    cut to ``size``; the third of each (the order it is used in) becomes its merged range's least."""
     merged: list[list[int]] = []
-    for a, b in sorted(ranges):
+    for a, b, used in sorted(ranges):
         a, b = min(a, size), min(b, size)
         if merged and a - merged[-1][1] < gap:
             merged[-1][1] = max(merged[-1][1], b)
+            merged[-1][2] = min(merged[-1][2], used)
         else:
-            merged.append([a, b])
-    return [(a, b) for a, b in merged]
+            merged.append([a, b, used])
+    return [(a, b, used) for a, b, used in merged]

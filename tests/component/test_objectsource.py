@@ -246,3 +246,39 @@ def test_index_objects_that_lie_are_not_used(s3, shard_set, caplog):
     assert len(index) == 12 and "not used" in caplog.text
     lying = shards.index_object_bytes(np.asarray([[10**9, 10, 0]]), len(shard_set["train-000.tar"]))
     assert shards.parse_index_object(lying, len(shard_set["train-000.tar"])) is None  # an image past the end
+
+
+def test_indexing_progress_goes_to_the_log_and_a_waiting_start_shows_it(http_shards, tmp_path, monkeypatch, capsys):
+    import logging
+
+    from prefetchd.cli import launch
+
+    monkeypatch.setattr(shards, "_PROGRESS_EVERY_S", 0.0)  # a line per shard, as a long indexing gets one per 5 s
+    log = tmp_path / "daemon.log"
+    handler = logging.FileHandler(log)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))
+    logging.getLogger("prefetchd").addHandler(handler)
+    logging.getLogger("prefetchd").setLevel(logging.INFO)
+    try:
+        shards.scan_webdataset({"urls": http_shards.url("wds/train-{000..002}.tar")}, "[[source]] #1")
+    finally:
+        logging.getLogger("prefetchd").removeHandler(handler)
+        handler.close()
+    assert "[[source]] #1: indexed 2 of 3 shards" in log.read_text()
+    echo = launch._ProgressEcho(log)
+    echo.show_new()
+    shown = capsys.readouterr().err.splitlines()
+    assert shown and all(line.startswith("[[source]] #1: indexed ") for line in shown), shown
+    echo.next_look = 0.0
+    echo.show_new()  # nothing new: nothing shown twice
+    assert capsys.readouterr().err == ""
+
+
+def test_a_store_that_is_down_at_start_fails_it_once_not_once_a_shard(http_shards, shard_set):
+    many = {f"/wds/many-{i:03d}.tar": shard_set["train-000.tar"] for i in range(200)}
+    http_shards.objects.update(many)
+    http_shards.stop()
+    began = time.monotonic()
+    with pytest.raises(DataError, match="cannot reach the store"):
+        shards.scan_webdataset({"urls": http_shards.url("wds/many-{000..199}.tar")}, "src")
+    assert time.monotonic() - began < 30  # 8 shards at a time, ~10 s of retries each: not 200 / 8 rounds
