@@ -82,9 +82,14 @@ def test_shards_in_a_bucket_make_the_batches_of_the_same_shards_on_disk(tmp_path
         try:
             assert_same(expected, read_epoch("s3", epochs=2))
             assert not any(path.endswith(".tar") and rng is None for path, rng in s3.ranges)  # ranges only
-            shown = status("s3", s3.env)["store"]
+            bucket = f"s3://{s3.bucket}"
+            shown = wait_until(  # what the workers' heartbeats carry, once a second
+                lambda: (store := status("s3", s3.env)["store"])["stores"].get(bucket) and store,
+                timeout_s=10,
+                what="the bucket's counters in status",
+            )
             assert (shown["unreachable_s"], shown["error"], shown["outages"]) == (None, None, 0)
-            io = shown["stores"][f"s3://{s3.bucket}"]  # what the workers' heartbeats carried
+            io = shown["stores"][bucket]
             assert io["requests"] > 0 and io["bytes"] > 0 and io["errors"] == 0 and io["seconds"] > 0
         finally:
             cli("stop", "s3", env=s3.env)
