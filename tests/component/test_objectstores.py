@@ -21,7 +21,8 @@ from obstore.store import HTTPStore, S3Store
 
 from tests.objectstores import FAULTS, DelayProxy, MotoS3, RangeServer
 
-pytestmark = pytest.mark.timeout(60)
+# The servers' own checks: the long tier (the quick tier's object-storage tests go through most faults).
+pytestmark = [pytest.mark.timeout(60), pytest.mark.long]
 
 DATA = bytes(range(256)) * 4096  # 1 MiB: several TCP sends, so "half the body" is a real partial read
 PATH = "/data/train-000.tar"
