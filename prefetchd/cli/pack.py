@@ -48,6 +48,7 @@ import contextlib
 import ctypes
 import errno
 import functools
+import hashlib
 import io
 import json
 import os
@@ -409,7 +410,9 @@ class _ShardWriter:
         fd = os.open(shard["name"], os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.out.partial_fd)
         with open(fd, "rb") as f:
             table = tarformat.index_tar(f, functools.partial(os.pread, fd), shard["name"], None)
-        data = shards.index_object_bytes(table, shard["bytes"])
+            f.seek(0)
+            md5 = hashlib.file_digest(f, "md5").hexdigest()  # what a bucket's ETag is, for a shard put whole
+        data = shards.index_object_bytes(table, shard["bytes"], md5)
         with os.fdopen(self.out.create(shard["name"] + shards.INDEX_SUFFIX), "wb") as out:
             out.write(data)
         shard["index"] = shard["name"] + shards.INDEX_SUFFIX

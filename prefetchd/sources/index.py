@@ -33,7 +33,7 @@ from prefetchd.sources.places import FILE
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 _FILES = ("paths.npy", "offsets.npy", "labels.npy")
 _CONTAINER_FILES = ("kinds.npy", "members.npy")
-_OBJECTS_FILE = "objects.json"  # {url: [size, etag]}: each object in a store as indexed (sources.objects)
+_OBJECTS_FILE = "objects.json"  # {url: [size, etag, modified]}: each object in a store as indexed (sources.objects)
 _MAX_OBJECTS_BYTES = 256 << 20
 
 NO_LABEL = -1  # a container sample without a label: a bad sample when it is read
@@ -48,8 +48,8 @@ class SampleIndex:
     # and int64 (n, 2) place of each. None for files only, so their fingerprints stay as they were.
     kinds: np.ndarray | None = None
     members: np.ndarray | None = None
-    # Only where some container is an object in a store: url -> [size, etag] as indexed, which
-    # every read of it checks (sources.objects); None otherwise, fingerprints unchanged.
+    # Only where some container is an object in a store: url -> [size, etag, modified] as indexed, which
+    # every read of it checks (sources.objects: [size, etag, modified]); None otherwise, fingerprints unchanged.
     objects: dict[str, list] | None = None
 
     def __len__(self) -> int:
@@ -142,7 +142,7 @@ class SampleIndex:
 
 
 def _load_objects(path: Path) -> dict[str, list] | None:
-    """The index's objects.json, checked: url -> [size, etag]; None when it is not there."""
+    """The index's objects.json, checked: url -> [size, etag, modified]; None when it is not there."""
     try:
         fd, st = open_data_file(str(path))
     except FileNotFoundError:
@@ -152,11 +152,12 @@ def _load_objects(path: Path) -> dict[str, list] | None:
             raise ValueError(f"{path} has {st.st_size} bytes, more than an index of objects holds")
         objects = json.loads(f.read())
     ok = isinstance(objects, dict) and all(
-        isinstance(url, str) and isinstance(v, list) and len(v) == 2 and type(v[0]) is int and isinstance(v[1], str)
+        isinstance(url, str) and isinstance(v, list) and len(v) == 3 and type(v[0]) is int and isinstance(v[1], str)
+        and isinstance(v[2], str)
         for url, v in objects.items()
     )
     if not ok:
-        raise ValueError(f"{path} is not a map of url to [size, etag]")
+        raise ValueError(f"{path} is not a map of url to [size, etag, modified]")
     return objects
 
 
@@ -192,7 +193,7 @@ class SampleBytes:
     files and caches. ``path`` and ``(a, b)`` are what the index holds for the sample (``a, b``
     its ``members`` row: where in the container), ``options`` its [[source]]'s own keys
     (sources.kinds: a Parquet source's image_column). Raising ValueError makes a bad sample.
-    ``objects_indexed``: the index's url -> [size, etag] of containers in a store (set by the
+    ``objects_indexed``: the index's url -> [size, etag, modified] of containers in a store (set by the
     SampleReader that makes it), which every read of them checks."""
 
     objects_indexed: Mapping[str, list] = MappingProxyType({})

@@ -28,6 +28,7 @@ What this module promises its callers:
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import threading
@@ -35,7 +36,7 @@ import time
 import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 SCHEMES = ("s3", "gs", "http", "https")
 IN_FLIGHT = 32  # concurrent range requests per process: a batch's, so its latency is paid once
@@ -54,6 +55,10 @@ _STREAM_CHUNK = 1 << 20
 IO_FIELDS = ("requests", "bytes", "retries", "errors", "seconds")  # a store's counters, in this order
 _URL_IN_TEXT = re.compile(r"\b(?:https?|s3|gs)://[^\s'\"<>]+")
 _STATUS = re.compile(r"\b(?:status code|status): ?(\d{3})\b")
+# obstore's "... Server returned non-2xx status code: 403 Forbidden: <the answer's body>": kept up to the reason
+_STATUS_LINE = re.compile(r"status code: \d{3}[^:]*")
+# Never shown, wherever a store's message might repeat them
+_SECRETS = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_ACCESS_KEY_ID", "GOOGLE_SERVICE_ACCOUNT_KEY")
 
 
 class ObjectError(ValueError):
@@ -76,18 +81,39 @@ class StoreUnreachable(Exception):
 
 @dataclass(frozen=True)
 class ObjectInfo:
+    """An object's identity as the store gives it: its size, ETag and Last-Modified. A store
+    that gives no ETag (a plain HTTP server) is held to the size and Last-Modified; one that
+    gives neither is refused (head), as a rewrite of it could not be told."""
+
     size: int
-    etag: str  # "" when the store gives none (a plain HTTP server): then the size alone identifies it
+    etag: str  # "" when the store gives none
+    modified: str  # Last-Modified, ISO 8601; "" when the store gives none
 
     def to_json(self) -> list:
-        return [self.size, self.etag]
+        return [self.size, self.etag, self.modified]
 
     @classmethod
     def from_json(cls, value) -> ObjectInfo:
-        size, etag = value
-        if type(size) is not int or size < 0 or not isinstance(etag, str):
-            raise ValueError(f"an object's identity is [size, etag], got {value!r}")
-        return cls(size, etag)
+        size, etag, modified = value
+        if type(size) is not int or size < 0 or not isinstance(etag, str) or not isinstance(modified, str):
+            raise ValueError(f"an object's identity is [size, etag, modified], got {value!r}")
+        return cls(size, etag, modified)
+
+    @classmethod
+    def of(cls, meta: dict) -> ObjectInfo:
+        """From obstore's ObjectMeta."""
+        modified = meta.get("last_modified")
+        return cls(int(meta["size"]), meta.get("e_tag") or "", modified.isoformat() if modified else "")
+
+    def same_as(self, other: ObjectInfo) -> bool:
+        """Whether ``other`` (what a read was answered with) is this object: the ETag decides
+        where both have one, else the Last-Modified (to the second: a rewrite within the same
+        second, of the same size, on a server without ETags, is not seen)."""
+        if self.size != other.size:
+            return False
+        if self.etag and other.etag:
+            return self.etag == other.etag
+        return not (self.modified and other.modified) or self.modified == other.modified
 
 
 def is_url(text: str) -> bool:
@@ -99,17 +125,21 @@ def shown(url: str) -> str:
     """A URL as messages show it: without user info, query or fragment (where credentials go)."""
     try:
         parts = urllib.parse.urlsplit(url)
-    except ValueError:
+        host = parts.hostname or ""
+        if parts.port is not None:
+            host = f"{host}:{parts.port}"
+    except ValueError:  # an IPv6 host without its "]", a port that is no port
         return "<a URL that does not parse>"
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
     return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))
 
 
 def check_url(url: str) -> str | None:
     """Why ``url`` cannot name an object, or None."""
-    parts = urllib.parse.urlsplit(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 -- read now: a port that is no port raises here, not in a worker
+    except ValueError as exc:
+        return f"it is not a URL that parses ({exc})"
     if parts.scheme.lower() not in SCHEMES:
         return f"the scheme {parts.scheme!r} is not one of {', '.join(SCHEMES)}"
     if parts.username is not None or parts.password is not None:
@@ -134,9 +164,19 @@ def _split(url: str) -> tuple[tuple[str, str], str]:
 
 
 def first_line(exc: BaseException) -> str:
-    """A store's error in one line, URLs shown without credentials."""
+    """A store's error in one line without credentials: URLs shown without user info or query,
+    the answer's body left out (a store may echo the request, its headers included), and any
+    credential of the environment masked wherever it still appears."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return _URL_IN_TEXT.sub(lambda m: shown(m.group(0)), text)[:400]
+    status = _STATUS_LINE.search(text)
+    if status:
+        text = text[: status.end()]
+    text = _URL_IN_TEXT.sub(lambda m: shown(m.group(0)), text)
+    for name in _SECRETS:
+        value = os.environ.get(name, "")
+        if len(value) >= 4:
+            text = text.replace(value, "***")
+    return text[:400]
 
 
 class Objects:
@@ -160,8 +200,14 @@ class Objects:
         import obstore
 
         store, path = self._store(url)
-        meta = self._retried(url, lambda: obstore.head(store, path))
-        return ObjectInfo(int(meta["size"]), meta.get("e_tag") or "")
+        info = ObjectInfo.of(self._retried(url, lambda: obstore.head(store, path)))
+        if not (info.etag or info.modified):
+            raise ObjectError(
+                f"{shown(url)}: the server gives it neither an ETag nor a Last-Modified, so a rewrite of it "
+                "could not be told from the object indexed; serve it from a store that does (any S3 or GCS "
+                "bucket, most HTTP servers)"
+            )
+        return info
 
     def _retried(self, url: str, request):
         """``request()``'s result, retried while the store does not answer (StoreUnreachable)."""
@@ -211,16 +257,18 @@ class Objects:
         options: dict = {"range": (start, end)}
         if info.etag:
             options["if_match"] = info.etag
+        elif info.modified:
+            options["if_unmodified_since"] = datetime.fromisoformat(info.modified)
 
         def get() -> bytes:
             result = obstore.get(store, path, options=options)
             meta = result.meta
-            got = ObjectInfo(int(meta["size"]), meta.get("e_tag") or "")
-            if got.size != info.size or (info.etag and got.etag and got.etag != info.etag):
+            got = ObjectInfo.of(meta)
+            if not info.same_as(got):
                 raise ObjectChanged(
                     f"{shown(url)} changed under the running job: indexed as {info.size} bytes, ETag "
-                    f"{info.etag or '-'}, now {got.size} bytes, ETag {got.etag or '-'}; start the job again to index "
-                    "it anew"
+                    f"{info.etag or '-'}, modified {info.modified or '-'}; now {got.size} bytes, ETag "
+                    f"{got.etag or '-'}, modified {got.modified or '-'}; start the job again to index it anew"
                 )
             if tuple(result.range) != (start, end):
                 raise ObjectError(
@@ -278,7 +326,6 @@ def _make_store(scheme: str, where: str):
         raise ObjectError(
             f"reading {scheme}:// URLs needs obstore: pip install 'prefetchd[cloud]' (in the daemon's environment)"
         ) from None
-    import os
 
     options = {"timeout": _REQUEST_TIMEOUT, "connect_timeout": _CONNECT_TIMEOUT}
     try:
@@ -327,6 +374,11 @@ def _failure(url: str, exc: BaseException) -> Exception:
         return ObjectChanged(
             f"{shown(url)} changed under the running job (its ETag is not the one indexed); "
             "start the job again to index it anew"
+        )
+    if isinstance(exc, ox.NotSupportedError):
+        return ObjectError(
+            f"{shown(url)}: {why}: the server does not serve byte ranges as S3, GCS and HTTP/1.1 servers do; "
+            "prefetchd reads each sample by its range"
         )
     if isinstance(exc, FileNotFoundError | ox.NotFoundError):
         return ObjectError(f"{shown(url)} does not exist in the store; check the URL (bucket, key, endpoint)")

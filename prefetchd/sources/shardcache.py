@@ -69,9 +69,12 @@ def _cache_file(shard: str, st: os.stat_result, label_key: str | None) -> Path:
     return _named([os.path.realpath(shard), label_key, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns])
 
 
-def _object_cache_file(url: str, size: int, etag: str, label_key: str | None) -> Path:
-    """A shard in a store: by URL, ETag and size (an object rewritten gets another ETag)."""
-    return _named([url, label_key, size, etag])
+def _object_cache_file(url: str, info, label_key: str | None) -> Path:
+    """A shard in a store: by URL, size, ETag and Last-Modified (objects.ObjectInfo: an object
+    rewritten gets another ETag, or on a server without ETags another Last-Modified), and for
+    s3:// the endpoint: one bucket name on two S3-compatible stores is two buckets."""
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+    return _named([url, endpoint if url.startswith("s3://") else "", label_key, *info.to_json()])
 
 
 def _named(identity: list) -> Path:

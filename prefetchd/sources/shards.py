@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import NamedTuple
 
 import numpy as np
 
@@ -51,7 +52,7 @@ MAX_SHARDS = 1_000_000  # what urls may name: a pattern like {0..99999999} is a 
 # A shard's index object, written by `prefetchd pack` beside it (parse_index_object): "<shard>.idx".
 INDEX_SUFFIX = ".idx"
 _INDEX_MAGIC = int.from_bytes(b"pfd-idx", "little")
-_INDEX_VERSION = 1
+_INDEX_VERSION = 2  # 2: the shard's MD5 in row 1
 _MAX_INDEX_OBJECT_BYTES = 1 << 30  # 44 M samples' rows: no shard holds that many
 _INDEXING_THREADS = 8  # shards in a store indexed at once: each waits on the network more than on the CPU
 _PROGRESS_EVERY_S = 5.0
@@ -165,7 +166,7 @@ def _shard_index(shard: str, label_key: str | None, where: str) -> np.ndarray:
         raise DataError(f"{where}: cannot read shard {shard}: {exc.strerror}; check urls") from None
     if not stat.S_ISREG(st.st_mode):
         raise DataError(f"{where}: shard {shard} is not a regular file; urls must name tar files")
-    table = _index_file(shard, st.st_size) if label_key is None else None
+    table = _index_file(shard, st) if label_key is None else None
     if table is not None:
         return table
     cache = _cache_file(shard, st, label_key)
@@ -181,23 +182,24 @@ def _shard_index(shard: str, label_key: str | None, where: str) -> np.ndarray:
     return table
 
 
-def _index_file(shard: str, shard_size: int) -> np.ndarray | None:
-    """The table of the index file beside a local shard (INDEX_SUFFIX), or None (as _index_object)."""
+def _index_file(shard: str, st: os.stat_result) -> np.ndarray | None:
+    """The table of the index file beside a local shard (INDEX_SUFFIX), or None: absent, not one
+    of this shard's, or not newer than the shard (written for an earlier version of it, which
+    may have had other labels: the shard is read then, which is always right)."""
     try:
-        fd, st = open_data_file(shard + INDEX_SUFFIX)
+        fd, index_st = open_data_file(shard + INDEX_SUFFIX)
     except (OSError, ValueError):  # none, or not a regular file: the shard is indexed as ever
         return None
     with open(fd, "rb") as f:
-        data = f.read(_MAX_INDEX_OBJECT_BYTES + 1) if st.st_size <= _MAX_INDEX_OBJECT_BYTES else b""
-    table = parse_index_object(data, shard_size)
-    if table is None:
-        log.warning(
-            "index file %s not used: it is not a prefetchd shard index of this %d-byte shard; "
-            "the shard is indexed by reading it",
-            shard + INDEX_SUFFIX,
-            shard_size,
-        )
-    return table
+        data = f.read(_MAX_INDEX_OBJECT_BYTES + 1) if index_st.st_size <= _MAX_INDEX_OBJECT_BYTES else b""
+    found = parse_index_object(data, st.st_size)
+    why = None if found else f"it is not a prefetchd index of this {st.st_size}-byte shard"
+    if found and index_st.st_mtime_ns <= st.st_mtime_ns:
+        why = "it is not newer than its shard, so it may have been written for an earlier version of it"
+    if why:
+        log.warning("index file %s not used: %s; the shard is indexed by reading it", shard + INDEX_SUFFIX, why)
+        return None
+    return found.table
 
 
 def _object_index(
@@ -209,7 +211,7 @@ def _object_index(
         info = store.head(url)
         table = _index_object(store, url, info) if label_key is None else None
         if table is None:
-            cache = _object_cache_file(url, info.size, info.etag, label_key)
+            cache = _object_cache_file(url, info, label_key)
             table = _load_cached(cache, info.size)
             if table is None:
                 with ObjectFile(store, url, info) as f:
@@ -234,7 +236,8 @@ def _object_index(
 
 def _index_object(store: objects.Objects, url: str, info: objects.ObjectInfo) -> np.ndarray | None:
     """The table of the index object beside ``url`` (INDEX_SUFFIX), or None: absent, or not one
-    for this shard (another size: written for an earlier version of it) or not one at all."""
+    for this shard (another size, or older than the shard: written for an earlier version of
+    it, which may have had other labels) or not one at all."""
     index_url = url + INDEX_SUFFIX
     try:
         index_info = store.head(index_url)
@@ -243,39 +246,68 @@ def _index_object(store: objects.Objects, url: str, info: objects.ObjectInfo) ->
     if index_info.size > _MAX_INDEX_OBJECT_BYTES:
         log.warning("index object %s not used: %d bytes is too big for one", objects.shown(index_url), index_info.size)
         return None
-    table = parse_index_object(store.read(index_url, 0, index_info.size, index_info), info.size)
-    if table is None:
-        log.warning(
-            "index object %s not used: it is not a prefetchd shard index of this %d-byte shard; "
-            "the shard is indexed by reading it",
-            objects.shown(index_url),
-            info.size,
+    found = parse_index_object(store.read(index_url, 0, index_info.size, index_info), info.size)
+    why = _stale(found, info, index_info) if found else f"it is not a prefetchd index of this {info.size}-byte shard"
+    if why:
+        log.warning("index object %s not used: %s; the shard is indexed by reading it", objects.shown(index_url), why)
+        return None
+    return found.table
+
+
+def _stale(found: IndexObject, shard: objects.ObjectInfo, index: objects.ObjectInfo) -> str | None:
+    """Why an index object cannot be known to be its shard's as the shard is now, or None.
+
+    The shard may have been rewritten since (labels fixed, the same size): where its ETag is
+    the MD5 of its bytes (S3 and S3-compatible stores, for an object put in one part), that
+    MD5 must be the one pack wrote in the index; elsewhere the index must be newer than the
+    shard (pack writes it after its shard, and an upload of the folder puts it after it). In
+    the same second either may be the later (Last-Modified is to the second): the shard is
+    read then, which is always right."""
+    etag = shard.etag.strip('"').lower()
+    if len(etag) == 32 and all(c in "0123456789abcdef" for c in etag):
+        return None if etag == found.md5 else f"it was written for a shard of MD5 {found.md5}, and this one's is {etag}"
+    if index.modified and shard.modified and index.modified <= shard.modified:
+        return (
+            f"it is not newer than its shard ({index.modified} against {shard.modified}), so it may have been "
+            "written for an earlier version of it"
         )
-    return table
+    return None
 
 
-def index_object_bytes(table: np.ndarray, shard_size: int) -> bytes:
+class IndexObject(NamedTuple):
+    table: np.ndarray
+    md5: str  # of the shard's bytes, hex
+
+
+def index_object_bytes(table: np.ndarray, shard_size: int, md5: str) -> bytes:
     """What `prefetchd pack` writes beside a shard as ``<shard>.idx`` (see parse_index_object)."""
-    head = np.asarray([[_INDEX_MAGIC, _INDEX_VERSION, shard_size]], dtype="<i8")
+    digest = bytes.fromhex(md5)
+    head = np.asarray(
+        [[_INDEX_MAGIC, _INDEX_VERSION, shard_size], [*np.frombuffer(digest, "<i8"), 0]], dtype="<i8"
+    )
     out = io.BytesIO()
-    np.save(out, np.concatenate([head, np.asarray(table, dtype="<i8")]), allow_pickle=False)
+    np.save(out, np.concatenate([head, np.asarray(table, dtype="<i8").reshape(-1, 3)]), allow_pickle=False)
     return out.getvalue()
 
 
-def parse_index_object(data: bytes, shard_size: int) -> np.ndarray | None:
-    """A shard's index table from its index object, or None.
+def parse_index_object(data: bytes, shard_size: int) -> IndexObject | None:
+    """A shard's index table, and the MD5 of the shard it was written for, from its index object;
+    None when it is not one for a shard of ``shard_size`` bytes.
 
-    The object is a ``.npy`` array, int64 little-endian, shape (samples + 1, 3): row 0 is
-    (_INDEX_MAGIC, _INDEX_VERSION, the shard's size in bytes), then one row per sample as the
-    index keeps it: the image member's data offset (negative: no plain image member, see
-    NO_IMAGE), its size, its label (-1: none). Its header must declare exactly the bytes that
-    follow, and every row must fit the shard (shardcache.table_fits); each read checks the
-    member's own tar header besides, so an index of another shard serves nothing wrong."""
+    The object is a ``.npy`` array, int64 little-endian, shape (samples + 2, 3): row 0 is
+    (_INDEX_MAGIC, _INDEX_VERSION, the shard's size in bytes), row 1 the MD5 of the shard's
+    bytes (16 bytes as two int64) and a 0, then one row per sample as the index keeps it: the
+    image member's data offset (negative: no plain image member, see NO_IMAGE), its size, its
+    label (-1: none). Its header must declare exactly the bytes that follow, and every row must
+    fit the shard (shardcache.table_fits); each read checks the member's own tar header
+    besides, so an index of another shard serves no other member's bytes (its labels are what
+    _stale guards)."""
     try:
         table = read_table(io.BytesIO(data), len(data))
     except ValueError:
         return None
-    if table is None or len(table) < 1 or table[0].tolist() != [_INDEX_MAGIC, _INDEX_VERSION, shard_size]:
+    if table is None or len(table) < 2 or table[0].tolist() != [_INDEX_MAGIC, _INDEX_VERSION, shard_size]:
         return None
-    table = table[1:]
-    return table if table_fits(table, shard_size) else None
+    md5 = table[1, :2].astype("<i8").tobytes().hex()
+    rows = table[2:]
+    return IndexObject(rows, md5) if table_fits(rows, shard_size) else None

@@ -5,6 +5,7 @@ tests/daemon/data/test_object_storage.py."""
 
 from __future__ import annotations
 
+import hashlib
 import io
 import os
 import tarfile
@@ -72,7 +73,7 @@ def test_shards_in_a_bucket_are_the_same_samples_as_on_disk(s3, shard_set, tmp_p
     local = shards.scan_webdataset({"urls": str(tmp_path / "local" / "train-{000..002}.tar")}, "src")
     assert (remote.labels == local.labels).all() and (remote.members == local.members).all()
     assert list(remote.objects) == [s3.url(f"wds/{name}") for name in shard_set]  # their size and ETag
-    assert all(size == len(shard_set[url.rsplit("/", 1)[1]]) for url, (size, _) in remote.objects.items())
+    assert all(size == len(shard_set[url.rsplit("/", 1)[1]]) for url, (size, _, _) in remote.objects.items())
     remote_reader, local_reader = reader_for(remote), TarMembers()
     for i in range(len(remote)):
         assert remote_reader.read(remote.path(i), *remote.member(i)) == local_reader.read(
@@ -101,7 +102,7 @@ def test_a_second_start_reads_the_cache_and_an_index_object_spares_the_shard(s3,
         local = tmp_path / "local" / name
         with open(local, "rb") as f:
             table = tarformat.index_tar(f, lambda n, at, f=f: os.pread(f.fileno(), n, at), name, None)
-        s3.put(f"wds/{name}.idx", shards.index_object_bytes(table, len(data)))
+        s3.put(f"wds/{name}.idx", shards.index_object_bytes(table, len(data), hashlib.md5(data).hexdigest()))
     for cached in (tmp_path / "cache").iterdir():
         cached.unlink()
     s3.reset_counts()
@@ -244,7 +245,7 @@ def test_index_objects_that_lie_are_not_used(s3, shard_set, caplog):
     s3.put("wds/train-000.tar.idx", b"\x93NUMPY" + b"\xff" * 200)  # a header that says nothing sane
     index = shards.scan_webdataset({"urls": s3.url("wds/train-000.tar")}, "src")
     assert len(index) == 12 and "not used" in caplog.text
-    lying = shards.index_object_bytes(np.asarray([[10**9, 10, 0]]), len(shard_set["train-000.tar"]))
+    lying = shards.index_object_bytes(np.asarray([[10**9, 10, 0]]), len(shard_set["train-000.tar"]), "0" * 32)
     assert shards.parse_index_object(lying, len(shard_set["train-000.tar"])) is None  # an image past the end
 
 

@@ -85,13 +85,14 @@ def test_each_shard_gets_an_index_object_that_start_reads_instead_of_the_shard(f
         with open(path, "rb") as f:
             table = tarformat.index_tar(f, lambda n, at, f=f: os.pread(f.fileno(), n, at), str(path), None)
         read = shards.parse_index_object((tmp_path / "out" / shard["index"]).read_bytes(), path.stat().st_size)
-        assert read is not None and (read == table).all()
+        assert read is not None and (read.table == table).all()
+        assert read.md5 == hashlib.md5(path.read_bytes()).hexdigest()  # what a bucket's ETag is for it
     last = len(manifest["shards"]) - 1
     source = {"urls": str(tmp_path / "out" / f"shard-{{000000..{last:06d}}}.tar")}
     index = shards.scan_webdataset(source, "test")
     assert len(index) == manifest["samples"] and not (tmp_path / "cache").exists()  # from the .idx alone
     first = tmp_path / "out" / manifest["shards"][0]["index"]
-    first.write_bytes(shards.index_object_bytes(np.zeros((1, 3), np.int64), 12345))  # another shard's
+    first.write_bytes(shards.index_object_bytes(np.zeros((1, 3), np.int64), 12345, "0" * 32))  # another shard's
     assert shards.scan_webdataset(source, "test").fingerprint() == index.fingerprint()
     assert (tmp_path / "cache").exists()  # the first shard was read and its table cached
 
