@@ -361,9 +361,10 @@ class RangeServer:
     "/data/train-000.tar"), served by a threaded HTTP/1.1 server on 127.0.0.1 (plain http, no TLS).
 
     It answers as a static object server does: HEAD and GET with Content-Length, ETag (the quoted
-    sha1 of the content), Last-Modified and Accept-Ranges: bytes; a single `Range: bytes=a-b`,
-    `bytes=a-` or `bytes=-n` gets 206 with Content-Range, one outside the object (or several ranges,
-    not supported here) gets 416; If-Match that names no current ETag gets 412; keep-alive.
+    MD5 of the content, as S3 gives an object put in one part), Last-Modified and Accept-Ranges:
+    bytes; a single `Range: bytes=a-b`, `bytes=a-` or `bytes=-n` gets 206 with Content-Range, one
+    outside the object (or several ranges, not supported here) gets 416; If-Match that names no
+    current ETag gets 412; keep-alive.
 
     Rewriting an object is replacing it: `server.objects[path] = new_bytes`; its ETag and
     Last-Modified change from the next request on, so a reader holding the old ETag gets 412.
@@ -498,7 +499,7 @@ class RangeServer:
         with self._lock:
             stamp = self._stamps.get(path)
             if stamp is None or stamp.data is not data:
-                etag = '"' + hashlib.sha1(data).hexdigest() + '"'
+                etag = '"' + hashlib.md5(data).hexdigest() + '"'
                 if stamp is None or stamp.etag != etag:
                     stamp = _Stamp(data, etag, formatdate(usegmt=True))
                 else:
