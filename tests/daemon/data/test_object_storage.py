@@ -7,7 +7,6 @@ an object rewritten under the job stops it naming the object."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from pathlib import Path
@@ -139,12 +138,6 @@ def _watch_store(env: dict, until: float, shown: list) -> None:
     while time.monotonic() < until:
         shown.append(status("web", env).get("store") or {})
         time.sleep(0.3)
-
-
-def _listening(port: int) -> bool:
-    with socket.socket() as s:
-        s.settimeout(0.2)
-        return s.connect_ex(("127.0.0.1", port)) == 0
 
 
 def test_an_object_rewritten_under_the_job_stops_it_naming_the_object(tmp_path, packed, job_root):
