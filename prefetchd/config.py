@@ -190,6 +190,8 @@ def _check_keys(table: dict, known, where: str) -> None:
 
 
 def _resolve(path: str, base: Path) -> str:
+    if "://" in path:  # a URL (an object in a store): the kind's scan checks it
+        return path
     try:
         p = Path(path).expanduser()  # RuntimeError for ~user of no such user
         return str(p if p.is_absolute() else (base / p).resolve())

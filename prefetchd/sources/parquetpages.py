@@ -36,7 +36,6 @@ for pyarrow's reads by index alike.
 from __future__ import annotations
 
 import bisect
-import os
 import struct
 import zlib
 from dataclasses import dataclass, replace
@@ -96,15 +95,17 @@ class _Page:
 class ColumnChunk:
     """The pages of one column chunk (a column in a row group): where each starts, and its rows."""
 
-    def __init__(self, fd: int, meta, max_definition_level: int, rows: int):
-        """``meta``: pyarrow's ColumnChunkMetaData; ``rows``: the row group's rows."""
+    def __init__(self, pread, meta, max_definition_level: int, rows: int):
+        """``pread``: (size, offset) -> the file's bytes there (os.pread with the file's fd bound, or
+        an object's ranged reads); ``meta``: pyarrow's ColumnChunkMetaData; ``rows``: the row
+        group's rows."""
         if meta.physical_type != "BYTE_ARRAY":
             raise Unsupported(f"a {meta.physical_type} column")
         if meta.compression not in _CODECS:
             raise Unsupported(f"{meta.compression} compression")
         if meta.num_values != rows:  # a column that is not repeated has a value (or null) per row
             raise Unsupported(f"a chunk of {meta.num_values} values in a row group of {rows} rows")
-        self.fd, self.max_def, self.rows = fd, max_definition_level, rows
+        self.pread, self.max_def, self.rows = pread, max_definition_level, rows
         self.codec = _CODECS[meta.compression]
         start = meta.dictionary_page_offset if meta.has_dictionary_page and meta.dictionary_page_offset else None
         start = meta.data_page_offset if start is None else min(start, meta.data_page_offset)
@@ -143,7 +144,7 @@ class ColumnChunk:
     def _header(self, offset: int) -> tuple[dict, int]:
         size = 256
         while True:
-            buf = os.pread(self.fd, min(size, self.end - offset), offset)
+            buf = self.pread(min(size, self.end - offset), offset)
             thrift = CompactReader(buf)
             try:
                 return thrift.struct(), offset + thrift.pos
@@ -329,7 +330,7 @@ class ColumnChunk:
     def _read(self, page: _Page, check_crc: bool) -> bytes:
         """The page's bytes as stored; their checksum checked when the page is (once: the CRC32 of a
         20 MB page, 200 images of 100 KB, costs more than its read)."""
-        raw = os.pread(self.fd, page.compressed, page.body)
+        raw = self.pread(page.compressed, page.body)
         if len(raw) != page.compressed:
             raise Damaged("the file ends inside the page")
         if check_crc and page.crc is not None and zlib.crc32(raw) != page.crc:

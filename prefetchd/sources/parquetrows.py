@@ -9,10 +9,12 @@ never by a name pyarrow would take as a path prefix.
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 from collections import OrderedDict
 
+from prefetchd.sources import objects
 from prefetchd.sources.index import SampleBytes, open_data_file
 from prefetchd.sources.parquetpages import ColumnChunk, Damaged, Unsupported
 from prefetchd.sources.parquetsource import (
@@ -23,6 +25,7 @@ from prefetchd.sources.parquetsource import (
     image_leaf,
     is_bytes,
     open_parquet,
+    open_parquet_object,
     pyarrow_modules,
     shown,
 )
@@ -56,7 +59,8 @@ class ParquetRows(SampleBytes):
         self.cached_bytes = 0
         self._footer_bytes = self._closed_footer_bytes = 0  # serialized: the open files', and those closed since a gc
         self._groups: OrderedDict[tuple[str, str, int], object] = OrderedDict()  # -> a binary pyarrow Array
-        # path -> (ParquetFile, identity, {column: its leaf, or None}, fd for parquetpages or None)
+        # path -> (ParquetFile, identity, {column: its leaf, or None}, parquetpages' pread or None,
+        # what to close besides: the fd behind that pread, or an object's ObjectFile)
         self._files: OrderedDict[str, tuple] = OrderedDict()
         # (path, column, row group) -> its pages, or None: read the row group whole
         self._chunks: OrderedDict[tuple[str, str, int], ColumnChunk | None] = OrderedDict()
@@ -64,6 +68,7 @@ class ParquetRows(SampleBytes):
         self._decoded: OrderedDict[tuple[str, str, int], ColumnChunk] = OrderedDict()
         # (path, column, row group) -> why pyarrow cannot read it: asked once, not once per row
         self._refused: OrderedDict[tuple[str, str, int], str] = OrderedDict()
+        self._store: objects.Objects | None = None  # Parquet objects in a store, read by range
 
     def read_sample(self, path: str, a: int, b: int, options: dict) -> bytes:
         return self.read(path, a, b, options["image_column"])
@@ -160,15 +165,15 @@ class ParquetRows(SampleBytes):
             self._file(path)  # a changed file drops its chunks (_forget)
             if key in self._chunks:
                 return self._chunks[key]
-        pf, _, leaves, fd = self._file(path)
+        pf, _, leaves, pread, _ = self._file(path)
         chunk = None
-        if fd is not None and 0 <= row_group < pf.metadata.num_row_groups:
+        if pread is not None and 0 <= row_group < pf.metadata.num_row_groups:
             leaf = self._leaf_of(pf, leaves, column)
             if leaf is not None:
                 group = pf.metadata.row_group(row_group)
                 try:
                     chunk = ColumnChunk(
-                        fd, group.column(leaf), pf.schema.column(leaf).max_definition_level, group.num_rows
+                        pread, group.column(leaf), pf.schema.column(leaf).max_definition_level, group.num_rows
                     )
                 except (Unsupported, OSError):
                     chunk = None
@@ -182,7 +187,7 @@ class ParquetRows(SampleBytes):
 
     def _load(self, path: str, row_group: int, column: str):
         pa, _ = pyarrow_modules()
-        pf, _, leaves, _ = self._file(path)
+        pf, _, leaves, _, _ = self._file(path)
         key = (path, column, row_group)
         if key in self._refused:
             raise ValueError(self._refused[key])
@@ -224,7 +229,10 @@ class ParquetRows(SampleBytes):
 
     def _file(self, path: str) -> tuple:
         """The open file at ``path``, opened again when the file there is no longer the one that
-        was opened (replaced, rewritten or truncated); a stat per row read."""
+        was opened (replaced, rewritten or truncated); a stat per row read. An object in a store
+        is opened once: each of its reads checks it is the one indexed (sources.objects)."""
+        if objects.is_url(path):
+            return self._object(path)
         try:
             st = os.stat(path)
         except OSError as exc:
@@ -238,11 +246,33 @@ class ParquetRows(SampleBytes):
             pf, identity = open_parquet(path)
         except Unreadable as exc:
             raise ValueError(f"{shown(path)} {exc}; it changed since indexing") from None
-        self._files[path] = entry = (pf, identity, {}, _page_fd(path, identity))
-        self._footer_bytes += pf.metadata.serialized_size
+        fd = _page_fd(path, identity)
+        self._keep(path, (pf, identity, {}, None if fd is None else functools.partial(os.pread, fd), fd))
+        return self._files[path]
+
+    def _object(self, path: str) -> tuple:
+        entry = self._files.get(path)
+        if entry is not None:
+            self._files.move_to_end(path)
+            return entry
+        identity = self.objects_indexed.get(path)
+        if identity is None:
+            raise ValueError(f"{objects.shown(path)} is not among the objects the job indexed")
+        if self._store is None:
+            self._store = objects.Objects()
+        info = objects.ObjectInfo.from_json(identity)
+        try:
+            pf, f = open_parquet_object(self._store, path, info)
+        except Unreadable as exc:
+            raise ValueError(f"{shown(path)} {exc}") from None
+        self._keep(path, (pf, tuple(identity), {}, f.pread, f))
+        return self._files[path]
+
+    def _keep(self, path: str, entry: tuple) -> None:
+        self._files[path] = entry
+        self._footer_bytes += entry[0].metadata.serialized_size
         while len(self._files) > 1 and (len(self._files) > self.open_files or self._footer_bytes > FOOTER_BYTES):
             self._forget(next(iter(self._files)))  # the newest is kept, whatever its footer
-        return entry
 
     def _forget(self, path: str) -> None:
         entry = self._files.pop(path, None)
@@ -264,10 +294,16 @@ class ParquetRows(SampleBytes):
             for key in [k for k in cache if k[0] == path]:
                 del cache[key]
 
+    def io_totals(self) -> dict[str, list]:
+        return {} if self._store is None else self._store.totals()
+
     def close(self) -> None:
         """Close every open file and drop every cached row group."""
         while self._files:
             _close(self._files.popitem()[1])
+        if self._store is not None:
+            self._store.close()
+            self._store = None
         self._footer_bytes = 0
         self._groups.clear()
         self._chunks.clear()
@@ -290,5 +326,7 @@ def _page_fd(path: str, identity: tuple) -> int | None:
 
 def _close(entry: tuple) -> None:
     entry[0].close()
-    if entry[3] is not None:
-        os.close(entry[3])
+    if isinstance(entry[4], int):
+        os.close(entry[4])
+    elif entry[4] is not None:
+        entry[4].close()

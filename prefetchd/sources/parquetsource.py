@@ -25,10 +25,13 @@ import numpy as np
 
 from prefetchd import stopsignals
 from prefetchd.errors import ConfigError, DataError
+from prefetchd.sources import objects
 from prefetchd.sources.index import NO_LABEL, SampleIndex
+from prefetchd.sources.objectfile import ObjectFile
 from prefetchd.sources.parquetpages import column_leaf
 from prefetchd.sources.places import PARQUET_ROW
 
+_OBJECT_CHUNK = 1 << 20  # a Parquet object is read in ranges of this (its footer, page headers), more at once
 IMAGE_TYPES = (
     "binary (large, view or dictionary-encoded too), or a struct with such a 'bytes' field (Hugging Face's Image)"
 )
@@ -52,6 +55,8 @@ def arrow_failures(pa) -> tuple:
 
 
 def shown(path: str) -> str:
+    if objects.is_url(path):
+        return objects.shown(path)
     return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
@@ -97,9 +102,31 @@ def open_parquet(path: str):
         os.close(fd)
 
 
+def open_parquet_object(store: objects.Objects, url: str, info: objects.ObjectInfo):
+    """(ParquetFile, its ObjectFile) of an object in a store, or Unreadable. pyarrow reads it
+    through range requests (the footer first); a store's fault raised inside pyarrow's read comes
+    out of it as itself (StoreUnreachable, ObjectChanged), never as a damaged file."""
+    pa, pq = pyarrow_modules()
+    f = ObjectFile(store, url, info, chunk=_OBJECT_CHUNK)
+    try:
+        pf = pq.ParquetFile(f)
+        pf.schema_arrow  # noqa: B018 -- parsed now, so that a damaged schema fails here
+    except arrow_failures(pa) as exc:
+        if isinstance(exc, objects.ObjectError):
+            raise Unreadable(str(exc)) from None
+        raise Unreadable(f"is not a readable Parquet file ({first_line(exc)})") from None
+    return pf, f
+
+
 def parquet_files(path: str, where: str) -> list[str]:
     """The files ``path`` names: itself, a folder's ``*.parquet`` (not recursive), or a glob's
-    matches; in the order of their path bytes. Hidden names are skipped, as a glob ``*`` skips them."""
+    matches; in the order of their path bytes. Hidden names are skipped, as a glob ``*`` skips them.
+    A URL names one object in a store."""
+    if "://" in path:
+        why = objects.check_url(path)
+        if why:
+            raise DataError(f"{where}: path {objects.shown(path)} cannot be read: {why}")
+        return [path]
     if os.path.isdir(path):
         files = glob.glob(os.path.join(glob.escape(path), "*.parquet"))
         if not files:
@@ -117,9 +144,25 @@ def scan_parquet(src: dict, where: str) -> SampleIndex:
     """Index a ``kind = "parquet"`` source: every row of every file, files in path order."""
     image_column, label_column = src["image_column"], src["label_column"]
     files, counts, members, labels = [], [], [], []
-    for path in parquet_files(src["path"], where):
+    paths = parquet_files(src["path"], where)
+    store = objects.Objects() if any(objects.is_url(p) for p in paths) else None
+    found: dict[str, list] = {}
+    for path in paths:
         stopsignals.check_starting()  # a stop during a long indexing need not wait for its end
-        groups, file_labels = _scan_file(path, image_column, label_column, f"{where}: {shown(path)}")
+        what = f"{where}: {shown(path)}"
+        if store is not None and objects.is_url(path):
+            try:
+                info = store.head(path)
+                found[path] = info.to_json()
+                groups, file_labels = _scan_file(path, image_column, label_column, what, store, info)
+            except objects.StoreUnreachable as exc:
+                raise DataError(f"{where}: cannot reach the store: {exc}; check the endpoint and the network") from None
+            except objects.ObjectChanged:
+                raise DataError(f"{what} changed while it was indexed; start again once it is written") from None
+            except objects.ObjectError as exc:
+                raise DataError(f"{where}: {exc}") from None
+        else:
+            groups, file_labels = _scan_file(path, image_column, label_column, what)
         if len(file_labels):
             files.append(path)
             counts.append(len(file_labels))
@@ -130,14 +173,22 @@ def scan_parquet(src: dict, where: str) -> SampleIndex:
             labels.append(file_labels)
     if not files:
         raise DataError(f"{where}: the Parquet file(s) at {shown(src['path'])} hold no rows; point path at the data")
-    return SampleIndex.in_containers(files, counts, PARQUET_ROW, np.concatenate(members), np.concatenate(labels))
+    if store is not None:
+        store.close()
+    in_store = {path: found[path] for path in files if path in found}
+    return SampleIndex.in_containers(
+        files, counts, PARQUET_ROW, np.concatenate(members), np.concatenate(labels), in_store
+    )
 
 
-def _scan_file(path: str, image_column: str, label_column: str, what: str) -> tuple[np.ndarray, np.ndarray]:
-    """The rows of each row group and every row's label (NO_LABEL for a null one)."""
+def _scan_file(
+    path: str, image_column: str, label_column: str, what: str, store=None, info=None
+) -> tuple[np.ndarray, np.ndarray]:
+    """The rows of each row group and every row's label (NO_LABEL for a null one). ``store`` and
+    ``info``: the object's store and identity, for a URL."""
     pa, _ = pyarrow_modules()
     try:
-        pf, _ = open_parquet(path)
+        pf, _ = open_parquet(path) if store is None else open_parquet_object(store, path, info)
     except Unreadable as exc:
         raise DataError(f"{what} {exc}; remove it or fix path in [[source]]") from None
     with pf:

@@ -283,3 +283,51 @@ def test_a_store_that_is_down_at_start_fails_it_once_not_once_a_shard(http_shard
     with pytest.raises(DataError, match="cannot reach the store"):
         shards.scan_webdataset({"urls": http_shards.url("wds/many-{000..199}.tar")}, "src")
     assert time.monotonic() - began < 30  # 8 shards at a time, ~10 s of retries each: not 200 / 8 rounds
+
+
+def parquet_bytes(rows: int, group: int) -> bytes:
+    """A Hub-style image column (struct<bytes, path>) and labels, in row groups of ``group``."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    images = pa.array(
+        [{"bytes": jpeg(i, side=300), "path": None} for i in range(rows)],  # ~90 KB each: several ranges
+        pa.struct([("bytes", pa.binary()), ("path", pa.string())]),
+    )
+    out = io.BytesIO()
+    pq.write_table(
+        pa.table({"image": images, "label": pa.array([i % 7 for i in range(rows)])}), out, row_group_size=group
+    )
+    return out.getvalue()
+
+
+def test_parquet_in_a_bucket_is_the_same_rows_as_on_disk_and_an_outage_is_not_a_bad_row(s3, tmp_path):
+    pytest.importorskip("pyarrow")
+    from prefetchd.sources import parquetsource
+    from prefetchd.sources.parquetrows import ParquetRows
+
+    data = parquet_bytes(40, 8)
+    (tmp_path / "local.parquet").write_bytes(data)
+    s3.put("pq/train.parquet", data)
+    keys = {"image_column": "image", "label_column": "label"}
+    remote = parquetsource.scan_parquet({"path": s3.url("pq/train.parquet"), **keys}, "src")
+    local = parquetsource.scan_parquet({"path": str(tmp_path / "local.parquet"), **keys}, "src")
+    assert (remote.labels == local.labels).all() and (remote.members == local.members).all()
+    assert list(remote.objects) == [s3.url("pq/train.parquet")]
+    reader = ParquetRows()
+    reader.objects_indexed = remote.objects
+    for i in range(16):  # row groups 0 and 1 of 5
+        assert reader.read(remote.path(i), *remote.member(i), "image") == jpeg(i, side=300)
+    assert reader.io_totals()[f"s3://{s3.bucket}"][0] > 0  # requests counted
+    s3.stop()
+    with pytest.raises(objects.StoreUnreachable):  # a row group never read: the store is asked
+        reader.read(remote.path(26), *remote.member(26), "image")
+    s3.restart()
+    assert reader.read(remote.path(26), *remote.member(26), "image") == jpeg(26, side=300)
+    s3.put("pq/train.parquet", parquet_bytes(40, 10))  # rewritten: another ETag
+    fresh = ParquetRows()
+    fresh.objects_indexed = remote.objects
+    with pytest.raises(objects.ObjectChanged):
+        fresh.read(remote.path(0), *remote.member(0), "image")
+    reader.close()
+    fresh.close()

@@ -4,6 +4,7 @@ damaged files: a value comes back right, or the reader falls back, or says Value
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -68,7 +69,8 @@ def test_every_value_is_pyarrows(tmp_path, table, compression, dictionary, page_
             expected = pf.read_row_group(g, columns=[leaf]).column(0).combine_chunks()
             if pa.types.is_struct(expected.type):
                 expected = expected.flatten()[0]
-            chunk = ColumnChunk(fd, meta.column(ci), pf.schema.column(ci).max_definition_level, meta.num_rows)
+            pread = functools.partial(os.pread, fd)
+            chunk = ColumnChunk(pread, meta.column(ci), pf.schema.column(ci).max_definition_level, meta.num_rows)
             assert [chunk.value(r) for r in range(meta.num_rows)] == expected.to_pylist()
     finally:
         os.close(fd)
@@ -149,7 +151,7 @@ def test_an_unsupported_chunk_falls_back_to_the_row_group(tmp_path):
     fd = os.open(path, os.O_RDONLY)
     try:
         with pytest.raises(Unsupported, match="INT64"):
-            ColumnChunk(fd, pf.metadata.row_group(0).column(0), 1, 3)
+            ColumnChunk(functools.partial(os.pread, fd), pf.metadata.row_group(0).column(0), 1, 3)
     finally:
         os.close(fd)
 
@@ -243,7 +245,7 @@ def _nullable_page(tmp_path):
     pf = pq.ParquetFile(path)
     fd = os.open(path, os.O_RDONLY)
     try:
-        (page,) = ColumnChunk(fd, pf.metadata.row_group(0).column(0), 1, 40).pages
+        (page,) = ColumnChunk(functools.partial(os.pread, fd), pf.metadata.row_group(0).column(0), 1, 40).pages
     finally:
         os.close(fd)
         pf.close()

@@ -167,3 +167,26 @@ def test_a_store_down_past_store_timeout_stops_the_daemon_with_its_own_exit(tmp_
         stopped = wait_until(lambda: read_stopped(paths), timeout_s=40, what="stopped.json")
         assert stopped["exit_code"] == ExitCode.STORE_UNREACHABLE, stopped
         assert "has not answered" in stopped["message"] and server.url("wds") in stopped["message"]
+
+
+def test_parquet_in_a_bucket_makes_the_batches_of_the_same_file_on_disk(tmp_path, jpeg_folder, job_root):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    from prefetchd.sources.index import scan_image_folder
+
+    index = scan_image_folder(str(jpeg_folder), "test")
+    images = [Path(index.path(i)).read_bytes() for i in range(len(index))]
+    table = pa.table({"image": pa.array(images, pa.binary()), "label": pa.array(index.labels.tolist())})
+    pq.write_table(table, tmp_path / "train.parquet", row_group_size=10)
+    start(tmp_path, "local", f'kind = "parquet"\npath = "{tmp_path / "train.parquet"}"', {})
+    try:
+        expected = read_epoch("local", epochs=2)
+    finally:
+        cli("stop", "local")
+    with MotoS3() as s3:
+        s3.put("pq/train.parquet", (tmp_path / "train.parquet").read_bytes())
+        start(tmp_path, "pq", f'kind = "parquet"\npath = "{s3.url("pq/train.parquet")}"', s3.env)
+        try:
+            assert_same(expected, read_epoch("pq", epochs=2))
+        finally:
+            cli("stop", "pq", env=s3.env)
