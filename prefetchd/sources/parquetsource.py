@@ -121,12 +121,14 @@ def open_parquet_object(store: objects.Objects, url: str, info: objects.ObjectIn
 def parquet_files(path: str, where: str) -> list[str]:
     """The files ``path`` names: itself, a folder's ``*.parquet`` (not recursive), or a glob's
     matches; in the order of their path bytes. Hidden names are skipped, as a glob ``*`` skips them.
-    A URL names one object in a store."""
+    A URL names objects in a store: one, or those of a brace pattern (``part-{00000..00127}.parquet``)."""
     if "://" in path:
-        why = objects.check_url(path)
-        if why:
-            raise DataError(f"{where}: path {objects.shown(path)} cannot be read: {why}")
-        return [path]
+        from prefetchd.sources.shards import expand_urls  # brace patterns and URL checks, as for shards
+
+        try:
+            return list(expand_urls(path))
+        except DataError as exc:
+            raise DataError(f"{where}: path {exc}") from None
     if os.path.isdir(path):
         files = glob.glob(os.path.join(glob.escape(path), "*.parquet"))
         if not files:

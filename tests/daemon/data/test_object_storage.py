@@ -177,15 +177,17 @@ def test_parquet_in_a_bucket_makes_the_batches_of_the_same_file_on_disk(tmp_path
     index = scan_image_folder(str(jpeg_folder), "test")
     images = [Path(index.path(i)).read_bytes() for i in range(len(index))]
     table = pa.table({"image": pa.array(images, pa.binary()), "label": pa.array(index.labels.tolist())})
-    pq.write_table(table, tmp_path / "train.parquet", row_group_size=10)
-    start(tmp_path, "local", f'kind = "parquet"\npath = "{tmp_path / "train.parquet"}"', {})
+    pq.write_table(table.slice(0, 40), tmp_path / "part-0.parquet", row_group_size=10)
+    pq.write_table(table.slice(40), tmp_path / "part-1.parquet", row_group_size=10)
+    start(tmp_path, "local", f'kind = "parquet"\npath = "{tmp_path}/part-*.parquet"', {})
     try:
         expected = read_epoch("local", epochs=2)
     finally:
         cli("stop", "local")
     with MotoS3() as s3:
-        s3.put("pq/train.parquet", (tmp_path / "train.parquet").read_bytes())
-        start(tmp_path, "pq", f'kind = "parquet"\npath = "{s3.url("pq/train.parquet")}"', s3.env)
+        for part in range(2):
+            s3.put(f"pq/part-{part}.parquet", (tmp_path / f"part-{part}.parquet").read_bytes())
+        start(tmp_path, "pq", f'kind = "parquet"\npath = "{s3.url("pq/part-{0..1}.parquet")}"', s3.env)
         try:
             assert_same(expected, read_epoch("pq", epochs=2))
         finally:
