@@ -234,7 +234,7 @@ class Objects:
         raise AssertionError("unreachable")  # the loop returns or raises
 
     def _count(self, url: str, began: float, size: int = 0, error: bool = False, retry: bool = False) -> None:
-        key = _store_name(url)
+        key = store_name(url)
         with self._lock:
             values = self._totals.setdefault(key, [0, 0, 0, 0, 0.0])
             if retry:
@@ -313,7 +313,7 @@ class Objects:
         return store, path
 
 
-def _store_name(url: str) -> str:
+def store_name(url: str) -> str:
     """The store a URL is in, as counters name it: scheme://bucket or scheme://host."""
     parts = urllib.parse.urlsplit(url)
     return f"{parts.scheme.lower()}://{parts.hostname or ''}" + (f":{parts.port}" if parts.port else "")

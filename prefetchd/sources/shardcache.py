@@ -44,6 +44,7 @@ _CACHE_VERSION = 3
 _WHAT = "shard index cache"
 _FIX = "set PREFETCHD_CACHE to a folder of your own that only you can write (mode 700)"
 _ROW_BYTES = 3 * 8
+_MAX_IDENTITY_BYTES = 4096
 # Stands for the cache folder of a user without a home: never opened (refused, logged once).
 _NO_HOME = Path("/nonexistent/prefetchd-user-without-a-home")
 _logged_refusals: set[str] = set()  # cache folders already logged as refused: once per process, not per shard
@@ -108,6 +109,33 @@ def _open_folder(folder: Path, *, create: bool) -> int | None:
 
 def _load_cached(cache: Path, shard_size: int) -> np.ndarray | None:
     """The table cached for a shard of ``shard_size`` bytes, or None: not there, or not one to trust."""
+    table = _read_private(cache, lambda f, size: read_table(f, size))
+    return table if table is not None and table_fits(table, shard_size) else None
+
+
+def _last_known_file(url: str, label_key: str | None) -> Path:
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or ""
+    return _named(["last known", url, endpoint if url.startswith("s3://") else "", label_key]).with_suffix(".json")
+
+
+def remember_object(url: str, identity: list, label_key: str | None) -> None:
+    """Keep the identity (objects.ObjectInfo.to_json) a shard in a store was indexed with: a start
+    while the store does not answer serves it with that identity and its cached table."""
+    data = json.dumps(identity).encode()
+    _write_private(_last_known_file(url, label_key), lambda f: f.write(data))
+
+
+def last_known_object(url: str, label_key: str | None) -> list | None:
+    """What remember_object kept for ``url``, or None."""
+
+    def read(f, size: int):
+        return json.loads(f.read(_MAX_IDENTITY_BYTES)) if size <= _MAX_IDENTITY_BYTES else None
+
+    return _read_private(_last_known_file(url, label_key), read)
+
+
+def _read_private(cache: Path, read):
+    """``read(file, size)`` of a file of the cache folder, or None: not there, or not one to trust."""
     dir_fd = _open_folder(cache.parent, create=False)
     if dir_fd is None:
         return None
@@ -125,10 +153,9 @@ def _load_cached(cache: Path, shard_size: int) -> np.ndarray | None:
                     "shard index cache file %s not used: not a regular file of yours, or others can write it", cache
                 )
                 return None
-            table = read_table(f, st.st_size)
+            return read(f, st.st_size)
     except Exception:  # noqa: BLE001 - whatever is wrong with a cache file, it is indexed again
         return None
-    return table if table is not None and table_fits(table, shard_size) else None
 
 
 def table_fits(table: np.ndarray, shard_size: int) -> bool:
@@ -161,6 +188,11 @@ def read_table(f, file_size: int) -> np.ndarray | None:
 
 def _save_cached(cache: Path, table: np.ndarray) -> None:
     """Best effort: a cache that cannot be written costs the next start an indexing, nothing more."""
+    _write_private(cache, lambda f: np.save(f, np.ascontiguousarray(table, dtype="<i8"), allow_pickle=False))
+
+
+def _write_private(cache: Path, write) -> None:
+    """``write(file)`` into a new file of the cache folder, renamed over ``cache``; best effort."""
     dir_fd = _open_folder(cache.parent, create=True)
     if dir_fd is None:
         return
@@ -169,7 +201,7 @@ def _save_cached(cache: Path, table: np.ndarray) -> None:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), 0o600)  # the umask may not narrow it; nothing widens it either
-            np.save(f, np.ascontiguousarray(table, dtype="<i8"), allow_pickle=False)
+            write(f)
         os.replace(tmp, cache.name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except OSError as exc:
         log.info("shard index cache not written (%s): %s", cache, exc)

@@ -41,7 +41,9 @@ from prefetchd.sources.shardcache import (
     _load_cached,
     _object_cache_file,
     _save_cached,
+    last_known_object,
     read_table,
+    remember_object,
     table_fits,
 )
 from prefetchd.sources.tarformat import index_tar
@@ -109,14 +111,18 @@ def scan_webdataset(src: dict, where: str) -> SampleIndex:
     progress = _Progress(len(shards), where)
     store = objects.Objects() if any(objects.is_url(shard) for shard in shards) else None
     found: dict[str, list] = {}  # the identity of each shard in a store, as indexed
+    down: set[str] = set()  # stores that do not answer
+    remembered: list[str] = []  # shards served with the last start's index, their store not answering
 
     def index_one(shard: str) -> np.ndarray:
         stopsignals.check_starting()  # indexing thousands of shards takes a while: a stop need not wait
         if store is None or not objects.is_url(shard):
             table = _shard_index(shard, label_key, where)
         else:
-            info, table = _object_index(store, shard, label_key, where)
+            info, table, from_before = _object_index(store, shard, label_key, where, down)
             found[shard] = info.to_json()
+            if from_before:
+                remembered.append(shard)
         progress.done_one()
         return table
 
@@ -131,6 +137,16 @@ def scan_webdataset(src: dict, where: str) -> SampleIndex:
             # begun are not, or a store that is down would be asked about each in turn.
             pool.shutdown(wait=True, cancel_futures=True)
             store.close()
+    if remembered:
+        log.warning(
+            "%s: the store of %d of the %d shards (%s) does not answer: they are served with the index of the "
+            "start that last read them, and their batches wait for the store (an object changed meanwhile stops "
+            "the job)",
+            where,
+            len(remembered),
+            len(shards),
+            ", ".join(sorted(down)),
+        )
     counts = [len(table) for table in tables]
     if not sum(counts):
         raise DataError(f"{where}: the {len(shards)} shard(s) of urls hold no sample; is urls right?")
@@ -203,20 +219,34 @@ def _index_file(shard: str, st: os.stat_result) -> np.ndarray | None:
 
 
 def _object_index(
-    store: objects.Objects, url: str, label_key: str | None, where: str
-) -> tuple[objects.ObjectInfo, np.ndarray]:
-    """A shard in a store: its identity and its table, from the index object `prefetchd pack`
-    wrote beside it, else from the cache, else by streaming the shard once."""
+    store: objects.Objects, url: str, label_key: str | None, where: str, down: set
+) -> tuple[objects.ObjectInfo, np.ndarray, bool]:
+    """A shard in a store: its identity, its table, and whether both are the last start's because
+    the store does not answer. The table comes from the index cache, else the index object
+    `prefetchd pack` wrote beside the shard, else by streaming the shard once. ``down``: the
+    stores found not answering by this indexing (asked no more: their shards' HEADs would each
+    retry for seconds)."""
     try:
-        info = store.head(url)
-        table = _index_object(store, url, info) if label_key is None else None
+        store_name = objects.store_name(url)
+        if store_name not in down:
+            try:
+                info = store.head(url)
+            except objects.StoreUnreachable:
+                down.add(store_name)
+        if store_name in down:
+            known = _last_known(url, label_key)
+            if known is None:
+                raise objects.StoreUnreachable(url, "the store does not answer, and no start before indexed this shard")
+            return (*known, True)
+        cache = _object_cache_file(url, info, label_key)
+        table = _load_cached(cache, info.size)
         if table is None:
-            cache = _object_cache_file(url, info, label_key)
-            table = _load_cached(cache, info.size)
+            table = _index_object(store, url, info) if label_key is None else None
             if table is None:
                 with ObjectFile(store, url, info) as f:
                     table = index_tar(f, f.pread, url, label_key)
-                _save_cached(cache, table)
+            _save_cached(cache, table)
+            remember_object(url, info.to_json(), label_key)  # for a start while the store does not answer
     except objects.StoreUnreachable as exc:
         raise DataError(
             f"{where}: cannot reach the store for shard {objects.shown(url)}: {exc}; check the endpoint "
@@ -231,7 +261,17 @@ def _object_index(
         ) from None
     except (tarfile.TarError, ValueError, RecursionError) as exc:
         raise DataError(f"{where}: shard {objects.shown(url)} is not a readable tar file ({exc}); check urls") from None
-    return info, table
+    return info, table, False
+
+
+def _last_known(url: str, label_key: str | None) -> tuple[objects.ObjectInfo, np.ndarray] | None:
+    """The identity and table a start before indexed ``url`` with (from the index cache), or None."""
+    try:
+        info = objects.ObjectInfo.from_json(last_known_object(url, label_key))
+    except (TypeError, ValueError):  # none kept, or not one
+        return None
+    table = _load_cached(_object_cache_file(url, info, label_key), info.size)
+    return None if table is None else (info, table)
 
 
 def _index_object(store: objects.Objects, url: str, info: objects.ObjectInfo) -> np.ndarray | None:

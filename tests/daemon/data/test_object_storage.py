@@ -192,3 +192,40 @@ def test_parquet_in_a_bucket_makes_the_batches_of_the_same_file_on_disk(tmp_path
             assert_same(expected, read_epoch("pq", epochs=2))
         finally:
             cli("stop", "pq", env=s3.env)
+
+
+def test_resume_is_exact_across_a_daemon_restart_while_the_store_is_down(tmp_path, packed, job_root):
+    """The daemon stops, the store goes down, the daemon starts again: it serves with the index of
+    the start before (the trainer waiting for the store), and the batches from the trainer's
+    state_dict on are those of an uninterrupted run."""
+    expected = local_batches(tmp_path, packed, job_root)
+    objects = {f"/wds/{name}": (packed / name).read_bytes() for name in shard_names(packed)}
+    with RangeServer(objects) as server:
+        env = {"AWS_ALLOW_HTTP": "true"}
+        source = f'kind = "webdataset"\nurls = "{urls_of(server.url("wds"), packed)}"'
+        paths = start(tmp_path, "web", source, env)
+        loader = PrefetchLoader("web", timeout=60, as_tensors=False)
+        got = []
+        for batch in loader:
+            got.append({k: v.copy() for k, v in batch.items()})
+            if len(got) == 3:
+                break
+        state = loader.state_dict()
+        loader.close()
+        assert cli("stop", "web", env=env).returncode == 0
+        server.stop()
+        restarted = cli("start", str(tmp_path / "web.toml"), env=env)
+        assert restarted.returncode == 0, restarted.stderr
+        assert "does not answer" in paths.log.read_text()
+        threading.Timer(3.0, server.start).start()
+        try:
+            loader = PrefetchLoader("web", timeout=60, as_tensors=False)
+            loader.load_state_dict(state)
+            for _ in range(2):  # the rest of epoch 0, then epoch 1
+                got.extend({k: v.copy() for k, v in batch.items()} for batch in loader)
+        finally:
+            cli("stop", "web", env=env)
+    assert len(got) == len(expected)
+    for mine, theirs in zip(got, expected):
+        for field in ("index", "label", "image"):
+            np.testing.assert_array_equal(mine[field], theirs.arrays[field])
