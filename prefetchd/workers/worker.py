@@ -41,7 +41,11 @@ def _send_heartbeats(conn, progress: SampleProgress) -> None:
         time.sleep(HEARTBEAT_S)
         current = progress.current
         sample = None if current is None else [current[0], _printable(current[1])]
-        beat = Heartbeat(samples=progress.finished, sample=sample, io=progress.io())
+        try:
+            io = progress.io()
+        except Exception:  # noqa: BLE001 - counters are for status: a beat must not stop for them
+            io = {}
+        beat = Heartbeat(samples=progress.finished, sample=sample, io=io)
         try:
             _send(conn, beat)
         except OSError:
