@@ -210,8 +210,9 @@ class SampleBytes:
         """Why a sample the index left without a label has none, in its source's words."""
         return "the sample has no label"
 
-    def will_need(self, places: list[tuple[str, int, int]]) -> None:
-        """The coming samples' places: a reader may ask for their bytes now (read-ahead)."""
+    def will_need(self, places: list[tuple]) -> None:
+        """The coming samples' places, (path, a, b, options) each as read_sample takes them: a
+        reader may ask for their bytes now (read-ahead)."""
 
     def io_totals(self) -> dict[str, list]:
         """Each object store's counters since the reader was made (sources.objects.IO_FIELDS)."""

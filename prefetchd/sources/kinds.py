@@ -97,7 +97,7 @@ register(
         "urls",
         "prefetchd.sources.shards:scan_webdataset",
         "the members of a tar shard that share a key",
-        options={"label_key": None},
+        options={"label_key": None, "cache": None, "cache_size": None},
         patterns=True,
         place=TAR_MEMBER,
         reader="prefetchd.sources.tarmembers:TarMembers",

@@ -45,7 +45,7 @@ class SampleReader:
         for i in ids:
             place = int(self.index.kinds[i])
             if place != FILE:
-                wanted.setdefault(place, []).append((self.index.path(i), *self.index.member(i)))
+                wanted.setdefault(place, []).append((self.index.path(i), *self.index.member(i), self._options(i)))
         for place, places in wanted.items():
             self._reader(place).will_need(places)
 

@@ -31,7 +31,8 @@ from typing import NamedTuple
 import numpy as np
 
 from prefetchd import stopsignals
-from prefetchd.errors import DataError
+from prefetchd.errors import ConfigError, DataError
+from prefetchd.sizes import parse_size
 from prefetchd.sources import objects
 from prefetchd.sources.index import SampleIndex, open_data_file
 from prefetchd.sources.objectfile import ObjectFile
@@ -101,6 +102,7 @@ def scan_webdataset(src: dict, where: str) -> SampleIndex:
     """Index the shards of a ``kind = "webdataset"`` source: one sample per key, in shard order.
     Shards in a store are indexed several at a time (each one a stream of range requests)."""
     label_key = src.get("label_key")
+    _check_cache(src, where)
     shards = []
     for shard in expand_urls(src["urls"], src.get("base", "")):
         if len(shards) == MAX_SHARDS:
@@ -154,6 +156,21 @@ def scan_webdataset(src: dict, where: str) -> SampleIndex:
     labels = np.concatenate([table[:, 2] for table in tables])
     in_store = {shard: found[shard] for shard in shards if shard in found}  # in shard order, whichever ended first
     return SampleIndex.in_containers(shards, counts, TAR_MEMBER, members, labels, in_store)
+
+
+def _check_cache(src: dict, where: str) -> None:
+    """A source's member cache (sources.membercache): an absolute folder and its bound, both or neither."""
+    folder, size = src.get("cache"), src.get("cache_size")
+    if folder is None and size is None:
+        return
+    if folder is None or size is None:
+        raise ConfigError(f'{where}: cache and cache_size go together: cache = "/local/disk/dir", cache_size = "100G"')
+    if not os.path.isabs(folder):
+        raise ConfigError(f"{where}: cache must be an absolute folder (the workers' own), got {folder!r}")
+    try:
+        parse_size(size)
+    except ValueError as exc:
+        raise ConfigError(f"{where}: cache_size: {exc}") from None
 
 
 class _Progress:

@@ -10,8 +10,10 @@ import tarfile
 from collections import OrderedDict
 from concurrent.futures import Future
 
+from prefetchd.sizes import parse_size
 from prefetchd.sources import objects
 from prefetchd.sources.index import MAX_FILE_BYTES, SampleBytes, open_data_file
+from prefetchd.sources.membercache import MemberCache
 from prefetchd.sources.objectfile import ObjectFile
 from prefetchd.sources.tarformat import (
     BY_HEADER,
@@ -44,6 +46,8 @@ class TarMembers(SampleBytes):
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._store: objects.Objects | None = None
         self._ahead: dict[str, list[tuple[int, int, Future]]] = {}  # per shard URL: ranges asked for ahead
+        self._caches: dict[tuple[str, int], MemberCache] = {}  # a source's local cache of what is read
+        self._cache: MemberCache | None = None  # the cache of the source whose sample is being read
 
     def read(self, shard: str, offset: int, size: int) -> bytes:
         """The image of a sample at (``offset``, ``size``) of the index; ValueError for a bad sample."""
@@ -86,7 +90,11 @@ class TarMembers(SampleBytes):
                 raise ValueError(f"the {kind} {member.name!r} at byte {header}: {exc}") from None
 
     def read_sample(self, path: str, a: int, b: int, options: dict) -> bytes:
-        return self.read(path, a, b)
+        self._cache = self._cache_for(options)
+        try:
+            return self.read(path, a, b)
+        finally:
+            self._cache = None
 
     def where(self, path: str, a: int, b: int) -> str:
         shown = objects.shown(path) if objects.is_url(path) else path
@@ -142,11 +150,16 @@ class TarMembers(SampleBytes):
         budget = READ_AHEAD_BYTES
         wanted: dict[str, list[tuple[int, int, int]]] = {}  # shard URL -> (start, end, first use) of each member
         local = []
-        for used, (shard, offset, size) in enumerate(places):
+        for used, (shard, offset, size, *options) in enumerate(places):
             if offset < tarfile.BLOCKSIZE or size > budget:
                 continue
             budget -= size
             if objects.is_url(shard):
+                cache = self._cache_for(options[0] if options else {})
+                if cache is not None and cache.has(
+                    shard, self.objects_indexed.get(shard), offset - tarfile.BLOCKSIZE, offset + size
+                ):
+                    continue  # read from the local cache when its sample is made
                 wanted.setdefault(shard, []).append((offset - tarfile.BLOCKSIZE, offset + size, used))
             else:
                 local.append((shard, offset, size))
@@ -167,10 +180,27 @@ class TarMembers(SampleBytes):
             self._ahead.setdefault(shard, []).append((a, b, self._objects().submit(shard, a, b, info)))
 
     def io_totals(self) -> dict[str, list]:
-        return {} if self._store is None else self._store.totals()
+        totals = {} if self._store is None else self._store.totals()
+        for cache in self._caches.values():  # hits: reads the store was spared (requests, bytes from the cache)
+            totals[f"cache:{cache.folder}"] = [cache.hits, cache.hit_bytes, 0, 0, 0.0]
+        return totals
+
+    def _cache_for(self, options: dict) -> MemberCache | None:
+        """The local cache of a source's reads from its store (its cache and cache_size), or None."""
+        folder, size = options.get("cache"), options.get("cache_size")
+        if not (isinstance(folder, str) and isinstance(size, str)):
+            return None
+        bound = parse_size(size)
+        cache = self._caches.get((folder, bound))
+        if cache is None:
+            cache = self._caches[(folder, bound)] = MemberCache(folder, bound)
+        return cache
 
     def close(self) -> None:
         self._drop_ahead()
+        for cache in self._caches.values():
+            cache.close()
+        self._caches.clear()
         while self._fds:
             os.close(self._fds.popitem()[1])
         if self._store is not None:
@@ -181,11 +211,19 @@ class TarMembers(SampleBytes):
         """``length`` bytes at ``start`` of the shard, fewer where it ends."""
         if not objects.is_url(shard):
             return os.pread(self._fd(shard), length, start)
-        ahead = self._from_ahead(shard, start, start + length)
-        if ahead is not None:
-            return ahead
         info = self._info(shard)
-        return self._objects().read(shard, min(start, info.size), min(start + length, info.size), info)
+        start, end = min(start, info.size), min(start + length, info.size)
+        cache = self._cache
+        if cache is not None:
+            data = cache.get(shard, info.to_json(), start, end)
+            if data is not None:
+                return data
+        data = self._from_ahead(shard, start, end)
+        if data is None:
+            data = self._objects().read(shard, start, end, info)
+        if cache is not None:
+            cache.put(shard, info.to_json(), start, end, data)
+        return data
 
     def _from_ahead(self, shard: str, start: int, end: int) -> bytes | None:
         """The bytes [start, end) from a range asked for ahead, or None: none holds them, or it

@@ -331,3 +331,53 @@ def test_parquet_in_a_bucket_is_the_same_rows_as_on_disk_and_an_outage_is_not_a_
         fresh.read(remote.path(0), *remote.member(0), "image")
     reader.close()
     fresh.close()
+
+
+def test_a_member_cache_serves_later_epochs_locally_within_its_bound(http_shards, tmp_path):
+    index = shards.scan_webdataset({"urls": http_shards.url("wds/train-{000..002}.tar")}, "src")
+    options = {"cache": str(tmp_path / "mc"), "cache_size": "10M"}
+
+    def epoch(reader) -> list[bytes]:
+        images = []
+        for first in range(0, len(index), 8):
+            ids = range(first, min(first + 8, len(index)))
+            reader.will_need([(index.path(i), *index.member(i), options) for i in ids])
+            images += [reader.read_sample(index.path(i), *index.member(i), options) for i in ids]
+        return images
+
+    first, second = reader_for(index), reader_for(index)  # two workers, one after the other
+    http_shards.reset_counts()
+    assert epoch(first) == [jpeg(i) for i in range(len(index))]
+    assert http_shards.gets > 0
+    http_shards.reset_counts()
+    assert epoch(second) == [jpeg(i) for i in range(len(index))]
+    assert http_shards.gets == 0  # every read from the cache
+    assert second.io_totals()[f"cache:{tmp_path / 'mc'}"][0] == len(index)
+    # a bound of three samples' reads: the entries never take more
+    small = {"cache": str(tmp_path / "small"), "cache_size": str(3 * (len(jpeg(0)) + 600))}
+    third = reader_for(index)
+    for i in range(len(index)):
+        third.read_sample(index.path(i), *index.member(i), small)
+    held = sum(p.stat().st_size for p in (tmp_path / "small").iterdir() if not p.name.startswith("."))
+    assert 0 < held <= 3 * (len(jpeg(0)) + 600)
+    # an entry another hand made writable by others, or swapped for a symlink, is not used
+    entry = next(p for p in (tmp_path / "mc").iterdir() if not p.name.startswith("."))
+    entry.chmod(0o666)
+    http_shards.reset_counts()
+    assert epoch(reader_for(index)) == [jpeg(i) for i in range(len(index))]
+    assert http_shards.gets >= 1
+    for reader in (first, second, third):
+        reader.close()
+
+
+def test_a_member_cache_is_configured_whole_or_not_at_all(http_shards):
+    from prefetchd.errors import ConfigError
+
+    urls = http_shards.url("wds/train-000.tar")
+    for keys, words in (
+        ({"cache": "/tmp/x"}, "go together"),
+        ({"cache": "relative/x", "cache_size": "1G"}, "absolute"),
+        ({"cache": "/tmp/x", "cache_size": "lots"}, "cache_size"),
+    ):
+        with pytest.raises(ConfigError, match=words):
+            shards.scan_webdataset({"urls": urls, **keys}, "src")
