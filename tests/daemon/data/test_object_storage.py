@@ -229,3 +229,34 @@ def test_resume_is_exact_across_a_daemon_restart_while_the_store_is_down(tmp_pat
     for mine, theirs in zip(got, expected):
         for field in ("index", "label", "image"):
             np.testing.assert_array_equal(mine[field], theirs.arrays[field])
+
+
+def test_with_a_local_cache_the_second_epoch_reads_from_it(tmp_path, packed, job_root):
+    """A cache the dataset fits in: after the first epoch the store is not asked again (--retain 0
+    and a small window: the second epoch's batches are made after the first's are read)."""
+    objects = {f"/wds/{name}": (packed / name).read_bytes() for name in shard_names(packed)}
+    with RangeServer(objects) as server:
+        env = {"AWS_ALLOW_HTTP": "true"}
+        cache = tmp_path / "member-cache"
+        source = (
+            f'kind = "webdataset"\nurls = "{urls_of(server.url("wds"), packed)}"\n'
+            f'cache = "{cache}"\ncache_size = "64M"'
+        )
+        start(tmp_path, "cached", source, env, "--buffer", "96K", "--retain", "0")
+        try:
+            loader = PrefetchLoader("cached", timeout=60, as_tensors=False)
+            first = [batch["index"].copy() for batch in loader]
+            gets_before = server.gets
+            second = [batch["index"].copy() for batch in loader]
+            assert len(first) == len(second) == SAMPLES // BATCH
+            stores = wait_until(
+                lambda: (s := status("cached", env)["store"]["stores"]).get(f"cache:{cache}") and s,
+                timeout_s=10,
+                what="the cache's hits in status",
+            )
+            hits = stores[f"cache:{cache}"]["requests"]
+            assert hits >= len(second) * BATCH * 0.99, stores
+            # the store was asked again only for what the window held ahead at the epoch's turn
+            assert server.gets - gets_before <= 3 * BATCH, (server.gets, gets_before)
+        finally:
+            cli("stop", "cached", env=env)
