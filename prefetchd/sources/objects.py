@@ -66,13 +66,13 @@ class ObjectError(ValueError):
 
 
 class ObjectChanged(Exception):
-    """The object is not the one indexed any more (another size or ETag). Not a ValueError: a
+    """The object is not the one indexed any more (another size, ETag or Last-Modified). Not a ValueError: a
     reader's ``except ValueError`` (a bad sample, replaced) must not catch it; the job's data
     changed under it, which stops it."""
 
 
 class StoreUnreachable(Exception):
-    """The store did not answer, after obstore's retries: an outage, not the sample's fault."""
+    """The store did not answer, after the retries (Objects._retried): an outage, not the sample's fault."""
 
     def __init__(self, url: str, why: str):
         super().__init__(f"{shown(url)}: {why}")
