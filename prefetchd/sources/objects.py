@@ -277,14 +277,15 @@ class Objects:
                 )
             # Streamed, never result.bytes(): that allocates what the answer's Content-Length
             # claims before a byte arrives (a lying header of 1 PiB aborts the process).
-            data = bytearray()
+            chunks, held = [], 0
             for chunk in result.stream(min_chunk_size=_STREAM_CHUNK):
-                data += chunk
-                if len(data) > end - start:
+                chunks.append(chunk)
+                held += len(chunk)
+                if held > end - start:
                     raise ObjectError(f"{shown(url)}: the store sends more than the {end - start} bytes asked for")
-            if len(data) != end - start:  # a body cut short that the client took for whole
-                raise StoreUnreachable(url, f"asked for {end - start} bytes at {start}, the store sent {len(data)}")
-            return bytes(data)
+            if held != end - start:  # a body cut short that the client took for whole
+                raise StoreUnreachable(url, f"asked for {end - start} bytes at {start}, the store sent {held}")
+            return b"".join(chunks)
 
         return self._retried(url, get)
 
