@@ -106,6 +106,7 @@ def _job(s: dict, live: bool):
     if ex.get("kind") == "ray":  # the cluster's state, and why it was given up
         state = f"lost ({ex['why']}); local workers only" if ex["state"] == "lost" else ex["state"]
         yield Text(f"  ray at {ex['address']}: {state}; {ex['in_flight']}/{ex['slots']} in flight")
+    yield from _store_lines(s.get("store") or {})
     refused = s["totals"].get("refused") or {}
     if refused:  # peer input dropped: a buggy or hostile trainer, a planted file (see the log)
         shown = ", ".join(f"{n} {kind.replace('_', ' ')}{'s' if n != 1 else ''}" for kind, n in sorted(refused.items()))
@@ -113,6 +114,23 @@ def _job(s: dict, live: bool):
     yield _ranks_table(s, live)
     if live:
         yield _workers_table(w)
+
+
+def _store_lines(store: dict):
+    """An object store's outage, and each store's counters (absent for local data)."""
+    if store.get("unreachable_s") is not None:
+        yield Text(
+            f"  STORE UNREACHABLE for {store['unreachable_s']:.0f} s, batches wait for it: {store.get('error')}"
+        )
+    for name, io in (store.get("stores") or {}).items():
+        if name.startswith("cache:"):
+            yield Text(f"  {name}: {io['requests']} reads served, {format_size(io['bytes'])}")
+            continue
+        mean = f", {1000 * io['seconds'] / io['requests']:.0f} ms a request" if io["requests"] else ""
+        yield Text(
+            f"  {name}: {io['requests']} requests, {format_size(io['bytes'])}, {io['retries']} retries, "
+            f"{io['errors']} errors{mean}"
+        )
 
 
 def _ranks_table(s: dict, live: bool) -> Table:

@@ -6,6 +6,7 @@ an object rewritten under the job stops it naming the object."""
 
 from __future__ import annotations
 
+import io
 import json
 import threading
 import time
@@ -13,7 +14,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from rich.console import Console
 
+from prefetchd.cli import statusview
 from prefetchd.errors import ExitCode
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.layout import JobPaths
@@ -126,7 +129,12 @@ def test_an_outage_of_the_store_mid_epoch_loses_and_mixes_nothing(tmp_path, pack
             after = [t for t in arrivals if t > back]
             assert max(t for t in arrivals if t <= back) < back - outage_s / 2, "the trainer did not wait"
             assert after and after[0] - back < 2.0, after[0] - back  # the client backs off at most 1 s a try
-            assert any(s.get("unreachable_s") is not None and "wds/" in (s.get("error") or "") for s in shown)
+            down = [s for s in shown if s["store"]["unreachable_s"] is not None and "wds/" in s["store"]["error"]]
+            assert down
+            console = Console(file=io.StringIO(), width=200)
+            console.print(statusview.render({**down[-1], "state": "serving"}))  # what `prefetchd status` shows
+            text = console.file.getvalue()
+            assert "STORE UNREACHABLE" in text and f"http://127.0.0.1:{server.port}: " in text, text
             final = status("web", env)["store"]
             assert final["outages"] == 1 and final["unreachable_s"] is None
         finally:
@@ -134,9 +142,11 @@ def test_an_outage_of_the_store_mid_epoch_loses_and_mixes_nothing(tmp_path, pack
 
 
 def _watch_store(env: dict, until: float, shown: list) -> None:
-    """What status says of the store, until the outage ends."""
+    """What status says, until the outage ends."""
     while time.monotonic() < until:
-        shown.append(status("web", env).get("store") or {})
+        reply = status("web", env)
+        if reply.get("store"):
+            shown.append(reply)
         time.sleep(0.3)
 
 
