@@ -38,6 +38,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
+from prefetchd import stopsignals
+
 SCHEMES = ("s3", "gs", "http", "https")
 IN_FLIGHT = 32  # concurrent range requests per process: a batch's, so its latency is paid once
 # A request that has not finished in this long is abandoned (an endless body, a lying
@@ -227,6 +229,7 @@ class Objects:
                 if attempt == _RETRIES or time.monotonic() + backoff - first > _RETRY_WITHIN_S:
                     raise
                 self._count(url, began, retry=True)
+                stopsignals.check_starting()  # a stop during a start's indexing need not wait for the retries
                 time.sleep(backoff)
             except (ObjectError, ObjectChanged):
                 self._count(url, began, error=True)
