@@ -247,11 +247,8 @@ class Master:
                 if gave_way is None:
                     return
                 self.buffer.delete(*gave_way, now)
-                log.info(
-                    "the buffer was full with a batch missing before ready ones: deleted batch %s, the "
-                    "farthest ahead, to make the missing one first",
-                    self.job.batch_name(*gave_way),
-                )
+                log.info("the buffer was full with a batch missing before ready ones: deleted batch %s, the "
+                         "farthest ahead, to make the missing one first", self.job.batch_name(*gave_way))
                 task = scheduler.next_task()
                 if task is None:
                     return  # its slot is still mapped by a client: freed within a tick

@@ -25,7 +25,7 @@ _RETRY_DELAY_S = 0.5  # times the attempt number: a failure that clears by itsel
 _NO_SPACE_MIN_S, _NO_SPACE_MAX_S = 0.1, 2.0  # back-off range while the tmpfs is full
 _BAD_IN_A_ROW = 64  # unreadable samples in a row within a batch: the data, not a sample, is broken
 _BAD_RATE_MIN_SAMPLES = 1000  # judge the bad-sample rate only over this many samples
-_OUTAGE_RETRY_S = 0.5  # a store's client backs off by itself first (sources.objects._RETRY)
+_OUTAGE_RETRY_S = 0.5  # a worker's reads back off by themselves first (sources.objects._RETRIES)
 _REFUSALS_LOGGED = 10  # of each kind; then one line a minute with the count (the log is on the tmpfs)
 _REFUSAL_SUMMARY_S = 60.0
 
@@ -203,8 +203,8 @@ class NoSpaceBackoff:
 
 
 class StoreOutage:
-    """An object store that does not answer (a worker's reads failed after obstore's own
-    retries): not the batch's fault, so no attempt is counted; every task waits
+    """An object store that does not answer (a worker's reads failed after their retries,
+    sources.objects): not the batch's fault, so no attempt is counted; every task waits
     _OUTAGE_RETRY_S after each such failure, and the first batch published ends the outage.
     One that lasts longer than ``limit_s`` stops the daemon, naming the store."""
 

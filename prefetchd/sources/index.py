@@ -27,6 +27,7 @@ from types import MappingProxyType
 import numpy as np
 
 from prefetchd.errors import DataError
+from prefetchd.sources.objects import ObjectInfo
 from prefetchd.sources.places import FILE
 
 # torchvision's ImageFolder extensions.
@@ -48,8 +49,8 @@ class SampleIndex:
     # and int64 (n, 2) place of each. None for files only, so their fingerprints stay as they were.
     kinds: np.ndarray | None = None
     members: np.ndarray | None = None
-    # Only where some container is an object in a store: url -> [size, etag, modified] as indexed, which
-    # every read of it checks (sources.objects: [size, etag, modified]); None otherwise, fingerprints unchanged.
+    # Only where some container is an object in a store: url -> its identity as indexed
+    # (objects.ObjectInfo.to_json), which every read of it checks; None otherwise, fingerprints unchanged.
     objects: dict[str, list] | None = None
 
     def __len__(self) -> int:
@@ -151,13 +152,10 @@ def _load_objects(path: Path) -> dict[str, list] | None:
         if st.st_size > _MAX_OBJECTS_BYTES:
             raise ValueError(f"{path} has {st.st_size} bytes, more than an index of objects holds")
         objects = json.loads(f.read())
-    ok = isinstance(objects, dict) and all(
-        isinstance(url, str) and isinstance(v, list) and len(v) == 3 and type(v[0]) is int and isinstance(v[1], str)
-        and isinstance(v[2], str)
-        for url, v in objects.items()
-    )
-    if not ok:
+    if not isinstance(objects, dict):
         raise ValueError(f"{path} is not a map of url to [size, etag, modified]")
+    for identity in objects.values():
+        ObjectInfo.from_json(identity)  # ValueError or TypeError for anything else
     return objects
 
 
@@ -279,7 +277,9 @@ def _check_data_folder(root: str, where: str) -> None:
     if not os.path.exists(root):
         raise DataError(f"{where}: data folder {_shown(root)} does not exist; {fix}")
     if not os.path.isdir(root):
-        raise DataError(f"{where}: {_shown(root)} is not a folder; image_folder expects <root>/<class>/<image>; {fix}")
+        raise DataError(
+            f"{where}: {_shown(root)} is not a folder; image_folder expects <root>/<class>/<image>; {fix}"
+        )
 
 
 def find_classes(root: str, where: str) -> list[str]:

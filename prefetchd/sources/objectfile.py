@@ -16,16 +16,13 @@ class ObjectFile:
         self.name = url
         self._pos = 0
         self._chunks: dict[int, bytes] = {}
-        self.fetched = 0  # bytes asked of the store
 
     def pread(self, size: int, offset: int) -> bytes:
         end = min(offset + max(size, 0), self.info.size)
         if offset >= end:
             return b""
         if end - offset >= self.chunk:  # a big read (a member, a column) is one request of its own
-            data = self.objects.read(self.url, offset, end, self.info)
-            self.fetched += len(data)
-            return data
+            return self.objects.read(self.url, offset, end, self.info)
         parts = []
         for i in range(offset // self.chunk, (end - 1) // self.chunk + 1):
             data = self._chunk_at(i)
@@ -38,7 +35,6 @@ class ObjectFile:
         if data is None:
             start = i * self.chunk
             data = self.objects.read(self.url, start, min(start + self.chunk, self.info.size), self.info)
-            self.fetched += len(data)
             if len(self._chunks) >= 2:
                 self._chunks.pop(next(iter(self._chunks)))
             self._chunks[i] = data

@@ -8,10 +8,11 @@ S3-compatible store), ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_
 
 What this module promises its callers:
 
-- every read names the object's identity as indexed (size, ETag): the store is asked for the
-  range *if it still matches* (``If-Match``), and the answer's own size and ETag are compared
-  too (a server that ignores ``If-Match``); a changed object is ObjectChanged, a data error,
-  never bytes of two versions;
+- every read names the object's identity as indexed (ObjectInfo: size, ETag, Last-Modified):
+  the store is asked for the range *if it still matches* (``If-Match``, or
+  ``If-Unmodified-Since`` without an ETag), and the answer's own identity is compared too (a
+  server that ignores the condition); a changed object is ObjectChanged, never bytes of two
+  versions;
 - a fault of the store (no connection, a timeout, a reset, 429/5xx, a short body) is retried
   here, with exponential back-off and full jitter, bounded in tries and time (_RETRIES,
   _RETRY_WITHIN_S; here rather than in obstore, so each retry is counted); what is still failing
@@ -22,8 +23,8 @@ What this module promises its callers:
 - what the store refuses for good (404, 403, a bad request) is ObjectError with one line naming
   the URL and what to check;
 - no message carries a credential: URLs are shown without user info or query, and a store's
-  error text is cut to its first line with any URL in it shown so (obstore's text names the
-  request's URL, never its signature headers).
+  error text is cut to its first line and before the answer's body, with any URL in it shown
+  so and the environment's credentials masked (first_line).
 """
 
 from __future__ import annotations

@@ -144,10 +144,19 @@ def parquet_files(path: str, where: str) -> list[str]:
 
 def scan_parquet(src: dict, where: str) -> SampleIndex:
     """Index a ``kind = "parquet"`` source: every row of every file, files in path order."""
-    image_column, label_column = src["image_column"], src["label_column"]
-    files, counts, members, labels = [], [], [], []
     paths = parquet_files(src["path"], where)
     store = objects.Objects() if any(objects.is_url(p) for p in paths) else None
+    try:
+        return _scan_files(paths, src, where, store)
+    finally:
+        if store is not None:
+            store.close()
+
+
+def _scan_files(paths: list[str], src: dict, where: str, store: objects.Objects | None) -> SampleIndex:
+    """scan_parquet's work over the files ``paths`` (objects in ``store``, where it is one)."""
+    image_column, label_column = src["image_column"], src["label_column"]
+    files, counts, members, labels = [], [], [], []
     found: dict[str, list] = {}
     for path in paths:
         stopsignals.check_starting()  # a stop during a long indexing need not wait for its end
@@ -175,8 +184,6 @@ def scan_parquet(src: dict, where: str) -> SampleIndex:
             labels.append(file_labels)
     if not files:
         raise DataError(f"{where}: the Parquet file(s) at {shown(src['path'])} hold no rows; point path at the data")
-    if store is not None:
-        store.close()
     in_store = {path: found[path] for path in files if path in found}
     return SampleIndex.in_containers(
         files, counts, PARQUET_ROW, np.concatenate(members), np.concatenate(labels), in_store

@@ -6,11 +6,12 @@ WebDataset groups them: sources.tarformat) and reads a sample's image with one `
 its offset, or one range request for a shard in a store (sources.tarmembers). The global
 permutation, resume, mixing and determinism then work as for a folder of files.
 
-A shard's table comes from, in this order: the index object ``prefetchd pack`` wrote beside it
-(``<shard>.idx``, parse_index_object); the index cache (prefetchd.sources.shardcache:
-``$PREFETCHD_CACHE``, else ``~/.cache/prefetchd/shards``, used only where no other user can
-write), while a local shard's size, mtime, inode and ctime, or an object's URL, ETag and size,
-are unchanged; else reading the shard through once.
+A shard's table comes from the index object ``prefetchd pack`` wrote beside it (``<shard>.idx``,
+parse_index_object) or the index cache (prefetchd.sources.shardcache: ``$PREFETCHD_CACHE``,
+else ``~/.cache/prefetchd/shards``, used only where no other user can write; keyed by a local
+shard's size, mtime, inode and ctime, or an object's URL and identity), whichever is cheaper to
+read first (a local file's index beside it; an object's cache, which needs no request); else
+from reading the shard through once.
 """
 
 from __future__ import annotations

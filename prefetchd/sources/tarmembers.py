@@ -46,8 +46,9 @@ class TarMembers(SampleBytes):
         self._fds: OrderedDict[str, int] = OrderedDict()
         self._store: objects.Objects | None = None
         self._ahead: dict[str, list[tuple[int, int, Future]]] = {}  # per shard URL: ranges asked for ahead
-        self._caches: dict[tuple[str, int], MemberCache] = {}  # a source's local cache of what is read
+        self._caches: dict[tuple[str, str], MemberCache] = {}  # (cache, cache_size) -> that local cache
         self._cache: MemberCache | None = None  # the cache of the source whose sample is being read
+        self._infos: dict[str, objects.ObjectInfo] = {}  # objects_indexed's, parsed once
 
     def read(self, shard: str, offset: int, size: int) -> bytes:
         """The image of a sample at (``offset``, ``size``) of the index; ValueError for a bad sample."""
@@ -141,7 +142,7 @@ class TarMembers(SampleBytes):
             return f"member {name} at byte {header} ({size} bytes, sparse or overrunning)"
         return f"a sample whose key repeats (member {name} at byte {header})"
 
-    def will_need(self, places: list[tuple[str, int, int]]) -> None:
+    def will_need(self, places: list[tuple]) -> None:
         """The coming samples' image members (in the order they will be read), up to
         READ_AHEAD_BYTES: a local shard's read in by the kernel now, in shard-offset order; a
         store's asked for now, objects.IN_FLIGHT requests at a time, members that lie close
@@ -190,10 +191,9 @@ class TarMembers(SampleBytes):
         folder, size = options.get("cache"), options.get("cache_size")
         if not (isinstance(folder, str) and isinstance(size, str)):
             return None
-        bound = parse_size(size)
-        cache = self._caches.get((folder, bound))
+        cache = self._caches.get((folder, size))
         if cache is None:
-            cache = self._caches[(folder, bound)] = MemberCache(folder, bound)
+            cache = self._caches[(folder, size)] = MemberCache(folder, parse_size(size))
         return cache
 
     def close(self) -> None:
@@ -214,15 +214,14 @@ class TarMembers(SampleBytes):
         info = self._info(shard)
         start, end = min(start, info.size), min(start + length, info.size)
         cache = self._cache
-        if cache is not None:
-            data = cache.get(shard, info.to_json(), start, end)
-            if data is not None:
-                return data
+        identity = self.objects_indexed[shard]
+        if cache is not None and (data := cache.get(shard, identity, start, end)) is not None:
+            return data
         data = self._from_ahead(shard, start, end)
         if data is None:
             data = self._objects().read(shard, start, end, info)
         if cache is not None:
-            cache.put(shard, info.to_json(), start, end, data)
+            cache.put(shard, identity, start, end, data)
         return data
 
     def _from_ahead(self, shard: str, start: int, end: int) -> bytes | None:
@@ -259,10 +258,13 @@ class TarMembers(SampleBytes):
             yield f, functools.partial(os.pread, fd)
 
     def _info(self, shard: str) -> objects.ObjectInfo:
-        identity = self.objects_indexed.get(shard)
-        if identity is None:
-            raise objects.ObjectError(f"{objects.shown(shard)} is not among the objects the job indexed")
-        return objects.ObjectInfo.from_json(identity)
+        info = self._infos.get(shard)
+        if info is None:
+            identity = self.objects_indexed.get(shard)
+            if identity is None:
+                raise objects.ObjectError(f"{objects.shown(shard)} is not among the objects the job indexed")
+            info = self._infos[shard] = objects.ObjectInfo.from_json(identity)
+        return info
 
     def _objects(self) -> objects.Objects:
         if self._store is None:

@@ -43,6 +43,11 @@ def shard_names(packed: Path) -> list[str]:
     return [s["name"] for s in json.loads((packed / "pack.json").read_text())["shards"]]
 
 
+def shard_objects(packed: Path) -> dict[str, bytes]:
+    """The packed shards as a RangeServer serves them, under /wds/."""
+    return {f"/wds/{name}": (packed / name).read_bytes() for name in shard_names(packed)}
+
+
 def urls_of(base: str, packed: Path) -> str:
     return f"{base}/shard-{{000000..{len(shard_names(packed)) - 1:06d}}}.tar"
 
@@ -106,7 +111,7 @@ def test_an_outage_of_the_store_mid_epoch_loses_and_mixes_nothing(tmp_path, pack
     waits through the outage, status says why meanwhile, the batches are those of an
     uninterrupted run, and the first one after the store is back comes within 2 s."""
     expected = local_batches(tmp_path, packed, job_root)
-    objects = {f"/wds/{name}": (packed / name).read_bytes() for name in shard_names(packed)}
+    objects = shard_objects(packed)
     with RangeServer(objects) as server:
         env = {"AWS_ALLOW_HTTP": "true"}
         source = f'kind = "webdataset"\nurls = "{urls_of(server.url("wds"), packed)}"'
@@ -151,8 +156,7 @@ def _watch_store(env: dict, until: float, shown: list) -> None:
 
 
 def test_an_object_rewritten_under_the_job_stops_it_naming_the_object(tmp_path, packed, job_root):
-    names = shard_names(packed)
-    objects = {f"/wds/{name}": (packed / name).read_bytes() for name in names}
+    objects = shard_objects(packed)
     with RangeServer(objects) as server:
         env = {"AWS_ALLOW_HTTP": "true"}
         paths = start(tmp_path, "moved", f'kind = "webdataset"\nurls = "{urls_of(server.url("wds"), packed)}"', env)
@@ -166,7 +170,7 @@ def test_an_object_rewritten_under_the_job_stops_it_naming_the_object(tmp_path, 
 
 
 def test_a_store_down_past_store_timeout_stops_the_daemon_with_its_own_exit(tmp_path, packed, job_root):
-    objects = {f"/wds/{name}": (packed / name).read_bytes() for name in shard_names(packed)}
+    objects = shard_objects(packed)
     with RangeServer(objects) as server:
         env = {"AWS_ALLOW_HTTP": "true"}
         source = f'kind = "webdataset"\nurls = "{urls_of(server.url("wds"), packed)}"'
@@ -209,7 +213,7 @@ def test_resume_is_exact_across_a_daemon_restart_while_the_store_is_down(tmp_pat
     the start before (the trainer waiting for the store), and the batches from the trainer's
     state_dict on are those of an uninterrupted run."""
     expected = local_batches(tmp_path, packed, job_root)
-    objects = {f"/wds/{name}": (packed / name).read_bytes() for name in shard_names(packed)}
+    objects = shard_objects(packed)
     with RangeServer(objects) as server:
         env = {"AWS_ALLOW_HTTP": "true"}
         source = f'kind = "webdataset"\nurls = "{urls_of(server.url("wds"), packed)}"'
@@ -244,7 +248,7 @@ def test_resume_is_exact_across_a_daemon_restart_while_the_store_is_down(tmp_pat
 def test_with_a_local_cache_the_second_epoch_reads_from_it(tmp_path, packed, job_root):
     """A cache the dataset fits in: after the first epoch the store is not asked again (--retain 0
     and a small window: the second epoch's batches are made after the first's are read)."""
-    objects = {f"/wds/{name}": (packed / name).read_bytes() for name in shard_names(packed)}
+    objects = shard_objects(packed)
     with RangeServer(objects) as server:
         env = {"AWS_ALLOW_HTTP": "true"}
         cache = tmp_path / "member-cache"
