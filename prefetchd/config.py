@@ -113,8 +113,9 @@ class Config:
         ranks = None if d.get("ranks") is None else tuple(d["ranks"])
         return cls(**{**d, "ranks": ranks, "sources": tuple(d["sources"]), "transforms": tuple(d["transforms"])})
 
-    def content(self, num_samples: int, data_fingerprint: str) -> dict:
-        """What decides which samples an epoch holds and how each is augmented.
+    def content(self, num_samples: int, data_fingerprint: str, order: int) -> dict:
+        """What decides which samples an epoch holds and how each is augmented (``order``: how
+        the plan shuffles an epoch, plan.ORDER).
 
         A resume state must match it field by field. World size and batch size are left
         out: a state taken with one resumes with another (elastic resume); so are the mixing
@@ -126,6 +127,7 @@ class Config:
         augment = json.dumps(augment, sort_keys=True).encode()
         content = {
             "seed": self.seed,
+            "order": order,
             "samples": num_samples,
             "drop_last": self.drop_last,
             "data": data_fingerprint,

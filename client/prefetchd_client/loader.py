@@ -28,6 +28,7 @@ from .layout import MAX_EPOCH, JobPaths, jobs_under, root_source
 from .locks import daemon_alive, hold_trainer_lock, release_trainer_lock
 from .manifest import VersionMismatch, check_manifest, check_plan, read_manifest, read_stopped
 from .readahead import ReadAhead, Readers
+from .statecheck import config_mismatch
 from .text import printable
 from .waits import TrainerWaits
 
@@ -369,17 +370,7 @@ class PrefetchLoader:
             found = state.get("version") if isinstance(state, dict) else type(state).__name__
             raise PlanMismatch(f"not a prefetchd loader state of version {STATE_VERSION} (found {found!r})")
         if state.get("config_hash") != self.manifest["config_hash"]:
-            theirs, ours = state.get("config"), self.manifest["config"]
-            theirs = theirs if isinstance(theirs, dict) else {}
-            differing = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
-            shown = "; ".join(f"{k}: state has {theirs.get(k)!r}, job has {ours.get(k)!r}" for k in differing)
-            if "augment" in differing:  # a digest: say what it covers
-                shown += " (augment: the transforms, the [pipeline] callable or the decoder; decoder = auto picks "
-                shown += "the fastest installed, and before it was the default a job ran decoder = pillow)"
-            raise PlanMismatch(
-                f"cannot resume job {job!r} from this state: it was taken with another config "
-                f"({shown or 'config_hash'}); start the job with the config the state came from"
-            )
+            raise PlanMismatch(config_mismatch(job, state.get("config"), self.manifest["config"]))
         epoch, consumed = state.get("epoch"), state.get("samples_consumed")
         if not (type(epoch) is int and 0 <= epoch < MAX_EPOCH and type(consumed) is int and consumed >= 0):
             raise PlanMismatch(

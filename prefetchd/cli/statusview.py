@@ -95,6 +95,7 @@ def _job(s: dict, live: bool):
         f"peak {format_size(b['peak_bytes'])}, {b['pinned_batches']} consumed still mapped)\n"
         f"  batch {format_size(b['batch_bytes'])}, "
         f"window {b['window_per_rank']} batches per rank; ranks {s['served_ranks']} of {s['world_size']}"
+        + (f"; index {s['index']['samples']:,} samples, {format_size(s['index']['bytes'])}" if "index" in s else "")
     )
     yield Text(
         f"  produced {r['produced_images_per_s']:.0f} img/s, consumed {r['consumed_images_per_s']:.0f} img/s; "

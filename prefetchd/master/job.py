@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from prefetchd.config import Config, content_hash
 from prefetchd.errors import ConfigError, DataError
 from prefetchd.plan import Plan
 from prefetchd.sizes import format_size
 from prefetchd.sources.index import SampleIndex
+from prefetchd.sources.indexfiles import IndexWriter
 from prefetchd.sources.kinds import KINDS, own_options
 from prefetchd.workers.producer import PRODUCER_SPEC, ProducerSpec, plan_layout
 from prefetchd_client.batchfile import VERSION as BATCH_FORMAT_VERSION
@@ -58,6 +62,7 @@ class Job:
     config_hash: str
     plan_digest: str  # what a batch's bytes depend on (plan_digest)
     spec: ProducerSpec
+    index_bytes: int  # the index's files in the job folder: on the tmpfs beside the buffer, once for all processes
 
     def batch_name(self, rank: int, index: int) -> str:
         """``e3 s12 r1``: how log lines and messages name a batch."""
@@ -65,17 +70,43 @@ class Job:
         return f"e{epoch} s{step} r{rank}"
 
 
-def build_index(sources: tuple[dict, ...]) -> tuple[SampleIndex, tuple[int, ...]]:
+def write_index(sources: tuple[dict, ...], folder) -> tuple[SampleIndex, tuple[int, ...]]:
     """One index over all sources, in config order (sample ids continue across sources),
-    and the number of samples of each source."""
-    parts = [KINDS[src["kind"]].scanner()(src, f"[[source]] #{i + 1} ({src['kind']})") for i, src in enumerate(sources)]
-    return SampleIndex.concat(parts), tuple(len(p) for p in parts)
+    written to ``folder`` as the sources are scanned (a source of many shards a shard at a
+    time), and the number of samples of each source. The index comes back as its files."""
+    writer, sizes = IndexWriter(folder), []
+    try:
+        for i, src in enumerate(sources):
+            before = writer.samples
+            scanned = KINDS[src["kind"]].scanner()(src, f"[[source]] #{i + 1} ({src['kind']})")
+            try:
+                for part in _parts(scanned):
+                    writer.add(part)
+            finally:
+                if not isinstance(scanned, SampleIndex):
+                    scanned.close()  # a generator's indexing threads end now, not when it is collected
+            sizes.append(writer.samples - before)
+        writer.finish()
+    finally:
+        writer.close()
+    return SampleIndex.load(folder), tuple(sizes)
+
+
+def build_index(sources: tuple[dict, ...]) -> tuple[SampleIndex, tuple[int, ...]]:
+    """write_index's index in this process's memory (tests and benchmarks: a small dataset)."""
+    with tempfile.TemporaryDirectory(prefix="prefetchd-index-") as folder:
+        index, sizes = write_index(sources, Path(folder) / "index")
+        return index.in_memory(), sizes
+
+
+def _parts(scanned) -> Iterable[SampleIndex]:
+    """A scan gives its source's index whole, or (shards) part after part."""
+    return [scanned] if isinstance(scanned, SampleIndex) else scanned
 
 
 def build_job(config: Config, paths: JobPaths) -> Job:
     """Index the data, plan the epochs, and write what workers and `prefetchd verify` read."""
-    index, sizes = build_index(config.sources)
-    index.save(paths.dir / "index")
+    index, sizes = write_index(config.sources, paths.dir / "index")
     weights = tuple(s["weight"] for s in config.sources) if "weight" in config.sources[0] else ()
     evaluation = config.mode == "eval"
     drop_last = config.drop_last and not evaluation  # an evaluation reads every sample: it pads
@@ -89,7 +120,7 @@ def build_job(config: Config, paths: JobPaths) -> Job:
         )
     source_names = [s["name"] for s in config.sources]
     fingerprint = index.fingerprint()
-    content = config.content(len(index), fingerprint)
+    content = config.content(len(index), fingerprint, plan.order)
     digest = plan_digest(config, plan.to_json(), fingerprint)
     spec = ProducerSpec(
         job_dir=str(paths.dir),
@@ -104,7 +135,8 @@ def build_job(config: Config, paths: JobPaths) -> Job:
         sources=[own_options(s) for s in config.sources],
     )
     write_json(paths.dir / PRODUCER_SPEC, spec.to_json())  # `prefetchd verify` remakes batches from it
-    return Job(config, paths, plan, source_names, content, spec.config_hash, digest, spec)
+    index_bytes = sum(entry.stat().st_size for entry in os.scandir(paths.dir / "index"))
+    return Job(config, paths, plan, source_names, content, spec.config_hash, digest, spec, index_bytes)
 
 
 def fit_layout(job: Job, fields: list[FieldSpec]) -> tuple[BatchLayout, int]:

@@ -80,6 +80,7 @@ def job_status(m) -> dict:  # m: the prefetchd.master.loop.Master, which imports
             "window_per_rank": buffer.scheduler.window,
             "retain_per_rank": buffer.scheduler.retain,
         },
+        "index": {"samples": plan.num_samples, "bytes": m.job.index_bytes},  # read by row by every process
         "ranks": ranks,
         "backing_off_no_space": m.pauses.no_space.backing_off,
         "store": {  # object stores: an outage (how long so far, its last error) and each store's counters

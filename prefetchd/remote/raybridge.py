@@ -115,10 +115,8 @@ class Bridge:
             folder = os.path.dirname(options["ray_temp"])
             self.guard = rayinstance.start_guard(folder, options.get("ray_folder_elsewhere") == folder)
         raycluster.connect(ray, self.address, options, self._connect_timed_out)
-        index = self.local.index
-        self.index_ref = ray.put(  # sent once, not with every task
-            (index.paths, index.offsets, index.labels, index.kinds, index.members)
-        )
+        index = self.local.index.in_memory()  # the columns as arrays: Ray sends them once, not with every task
+        self.index_ref = ray.put((index.paths, index.offsets, index.labels, index.kinds, index.members, index.starts))
         self.spec_ref = ray.put(spec_json)
         # One CPU and the custom resources each; no retries by Ray: a failed batch is the master's to reissue.
         as_task = ray.remote(num_cpus=1, resources=options["resources"], max_retries=0)

@@ -110,7 +110,7 @@ def _producer(spec_json: str, index: tuple) -> BatchProducer:
     spec = ProducerSpec.from_json(json.loads(spec_json))
     if spec.plan_digest not in _producers:
         _producers.clear()  # one job at a time per process: another plan's is dropped
-        arrays = (None if a is None else np.asarray(a) for a in index)  # kinds and members: None for files only
+        arrays = (None if a is None else np.asarray(a) for a in index)  # kinds, members, starts: None for files only
         _producers[spec.plan_digest] = BatchProducer(spec, index=SampleIndex(*arrays))
     return _producers[spec.plan_digest]
 

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import stat
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,28 +28,43 @@ from types import MappingProxyType
 import numpy as np
 
 from prefetchd.errors import DataError
+from prefetchd.sources.indexfiles import (
+    CONTAINER_COLUMNS,
+    FILE_COLUMNS,
+    OBJECTS_FILE,
+    ColumnFile,
+    IndexWriter,
+    column_chunks,
+)
 from prefetchd.sources.objects import ObjectInfo
 from prefetchd.sources.places import FILE
 
 # torchvision's ImageFolder extensions.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-_FILES = ("paths.npy", "offsets.npy", "labels.npy")
-_CONTAINER_FILES = ("kinds.npy", "members.npy")
-_OBJECTS_FILE = "objects.json"  # {url: [size, etag, modified]}: each object in a store as indexed (sources.objects)
 _MAX_OBJECTS_BYTES = 256 << 20
+_MAX_STARTS_BYTES = 1 << 30  # starts is read whole: a place per file of a folder, or a container's
 
 NO_LABEL = -1  # a container sample without a label: a bad sample when it is read
+NEVER = 1 << 62  # the next use of a sample the plan does not place (a stand-in for a bad one)
 
 
 @dataclass(frozen=True)
 class SampleIndex:
-    paths: np.ndarray  # uint8, every path's file-system bytes (os.fsencode) back to back
-    offsets: np.ndarray  # int64, len + 1: path i is paths[offsets[i]:offsets[i + 1]]
-    labels: np.ndarray  # int64
-    # Only where some sample lives in a container (tar shard, Parquet file): uint8 (n,) kind
-    # and int64 (n, 2) place of each. None for files only, so their fingerprints stay as they were.
+    """Each sample's label and place. A *place* is a file of its own or a container (a tar
+    shard, a Parquet file), its path ``paths[offsets[p]:offsets[p + 1]]``. Files only: sample i
+    is place i. With containers, ``starts[p]`` is the first sample of place p (its samples are
+    consecutive), so a shard's path is kept once, not once per sample. The columns are numpy
+    arrays, or indexfiles.ColumnFile once loaded from a job folder."""
+
+    paths: np.ndarray  # uint8, every place's path as file-system bytes (os.fsencode) back to back
+    offsets: np.ndarray  # int64, places + 1
+    labels: np.ndarray  # int64, a label per sample
+    # Only where some sample lives in a container (tar shard, Parquet file), else None (so the
+    # fingerprints of files-only indexes stay as they were): uint8 (n,) kind and int64 (n, 2)
+    # place in its container of each sample, and int64 (places + 1,) the first sample of each place.
     kinds: np.ndarray | None = None
     members: np.ndarray | None = None
+    starts: np.ndarray | None = None
     # Only where some container is an object in a store: url -> its identity as indexed
     # (objects.ObjectInfo.to_json), which every read of it checks; None otherwise, fingerprints unchanged.
     objects: dict[str, list] | None = None
@@ -64,7 +80,9 @@ class SampleIndex:
         return int(a), int(b)
 
     def path(self, i: int) -> str:
-        return os.fsdecode(self.paths[self.offsets[i] : self.offsets[i + 1]].tobytes())
+        p = i if self.starts is None else int(np.searchsorted(self.starts, i, side="right")) - 1
+        a, b = self.offsets[p : p + 2]
+        return os.fsdecode(bytes(self.paths[int(a) : int(b)]))
 
     def label(self, i: int) -> int:
         return int(self.labels[i])
@@ -84,62 +102,68 @@ class SampleIndex:
         each at ``members`` (n, 2) of ``kind``; ``objects``: the identity of those in a store."""
         n = int(sum(counts))
         encoded = [os.fsencode(c) for c in containers]
-        lengths = np.repeat(np.asarray([len(b) for b in encoded], dtype=np.int64), counts)
-        offsets = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        paths = np.frombuffer(b"".join(b * c for b, c in zip(encoded, counts)), dtype=np.uint8)
+        offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+        np.cumsum([len(b) for b in encoded], out=offsets[1:])
+        starts = np.zeros(len(encoded) + 1, dtype=np.int64)
+        np.cumsum(counts, out=starts[1:])
+        paths = np.frombuffer(b"".join(encoded), dtype=np.uint8)
         members = np.asarray(members, dtype=np.int64).reshape(n, 2)
         labels = np.asarray(labels, dtype=np.int64)
-        return cls(paths, offsets, labels, np.full(n, kind, np.uint8), members, objects or None)
+        return cls(paths, offsets, labels, np.full(n, kind, np.uint8), members, starts, objects or None)
 
     @classmethod
     def concat(cls, parts: list[SampleIndex]) -> SampleIndex:
+        """The parts' samples one after the other, in memory (IndexWriter writes them to files)."""
         if len(parts) == 1:
             return parts[0]
-        shifts = np.cumsum([0] + [len(p.paths) for p in parts[:-1]])
-        offsets = np.concatenate([parts[0].offsets[:1]] + [p.offsets[1:] + s for p, s in zip(parts, shifts)])
-        kinds = members = None
-        if any(p.kinds is not None for p in parts):
-            kinds = np.concatenate([np.full(len(p), FILE, np.uint8) if p.kinds is None else p.kinds for p in parts])
-            members = np.concatenate(
-                [np.full((len(p), 2), -1, np.int64) if p.members is None else p.members for p in parts]
-            )
-        labels = np.concatenate([p.labels for p in parts])
-        objects = {url: info for p in parts for url, info in (p.objects or {}).items()} or None
-        return cls(np.concatenate([p.paths for p in parts]), offsets, labels, kinds, members, objects)
+        with tempfile.TemporaryDirectory(prefix="prefetchd-index-") as folder:
+            writer = IndexWriter(Path(folder) / "index")
+            for part in parts:
+                writer.add(part)
+            writer.finish()
+            loaded = cls.load(Path(folder) / "index")
+            return loaded.in_memory()
+
+    def in_memory(self) -> SampleIndex:
+        """The same index with every column an array in this process's memory."""
+        arrays = [None if a is None else np.array(a) for a in self._columns()]
+        return SampleIndex(*arrays, objects=self.objects)
+
+    def _columns(self) -> tuple:
+        return self.paths, self.offsets, self.labels, self.kinds, self.members, self.starts
 
     def _arrays(self) -> tuple[tuple[str, np.ndarray], ...]:
-        named = zip(_FILES, (self.paths, self.offsets, self.labels))
+        columns = self._columns()
         if self.kinds is None:
-            return tuple(named)
-        return (*named, *zip(_CONTAINER_FILES, (self.kinds, self.members)))
+            return tuple(zip(FILE_COLUMNS, columns[:3]))
+        return tuple(zip(FILE_COLUMNS + CONTAINER_COLUMNS, columns))
 
     def fingerprint(self) -> str:
         """Identifies the sample list: a resume on changed data must not pass as exact."""
         h = hashlib.sha256()
-        for _, a in self._arrays():
-            h.update(np.ascontiguousarray(a).tobytes())
+        for _, column in self._arrays():
+            for chunk in column_chunks(column):
+                h.update(chunk)
         if self.objects:  # an object rewritten in the store (another ETag) is other data
             h.update(json.dumps(self.objects, sort_keys=True).encode())
         return h.hexdigest()[:16]
 
     def save(self, folder: Path) -> None:
-        folder.mkdir(mode=0o700, exist_ok=True)
-        for name, a in self._arrays():
-            np.save(folder / name, a, allow_pickle=False)
-        if self.objects:
-            (folder / _OBJECTS_FILE).write_text(json.dumps(self.objects))
+        writer = IndexWriter(folder)
+        writer.add(self)
+        writer.finish()
 
     @classmethod
     def load(cls, folder: Path) -> SampleIndex:
-        names = _FILES + (_CONTAINER_FILES if os.path.lexists(folder / _CONTAINER_FILES[0]) else ())
-        for name in names:  # np.load would block on a FIFO planted under the name
-            if not stat.S_ISREG(os.lstat(folder / name).st_mode):
-                raise ValueError(f"{folder / name} is not a regular file")
-        arrays = [np.load(folder / name, mmap_mode="r", allow_pickle=False) for name in names]
-        if len(arrays) == len(_FILES):
-            return cls(*arrays)
-        return cls(*arrays, _load_objects(folder / _OBJECTS_FILE))
+        """The index saved in ``folder``, its columns read by row (indexfiles.ColumnFile)."""
+        containers = os.path.lexists(folder / CONTAINER_COLUMNS[0])
+        columns = [ColumnFile(folder / name) for name in FILE_COLUMNS + (CONTAINER_COLUMNS if containers else ())]
+        if not containers:
+            return cls(*columns)
+        starts = columns.pop()
+        if starts.nbytes > _MAX_STARTS_BYTES:
+            raise ValueError(f"{folder / CONTAINER_COLUMNS[2]} is too big for an index's places")
+        return cls(*columns, np.asarray(starts), _load_objects(folder / OBJECTS_FILE))
 
 
 def _load_objects(path: Path) -> dict[str, list] | None:
@@ -195,6 +219,10 @@ class SampleBytes:
     SampleReader that makes it), which every read of them checks."""
 
     objects_indexed: Mapping[str, list] = MappingProxyType({})
+    # Where the plan uses the sample being read now and where it needs it next (plan.Plan.uses),
+    # for a local cache's eviction (sources.membercache); set by the SampleReader before each read.
+    now: int = 0
+    next_use: int = NEVER
 
     def read_sample(self, path: str, a: int, b: int, options: dict) -> bytes:
         """The sample's encoded image."""

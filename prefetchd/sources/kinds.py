@@ -27,7 +27,7 @@ class SourceKind:
 
     name: str  # kind = "<name>"
     data_key: str  # the key that says where its data is: what --data replaces
-    scan: str  # "module:function": (its checked table, how messages name it) -> its SampleIndex
+    scan: str  # "module:function": (its checked table, how messages name it) -> its SampleIndex, or its parts in order
     one_sample: str  # what one sample is, for docs/data.md
     options: dict[str, str | None] = field(default_factory=dict)  # its own string keys: defaults (None: unset)
     patterns: bool = False  # data_key takes brace patterns or a list of them; scan resolves them against "base"
@@ -95,7 +95,7 @@ register(
     SourceKind(
         "webdataset",
         "urls",
-        "prefetchd.sources.shards:scan_webdataset",
+        "prefetchd.sources.shards:webdataset_parts",
         "the members of a tar shard that share a key",
         options={"label_key": None, "cache": None, "cache_size": None},
         patterns=True,

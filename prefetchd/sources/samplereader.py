@@ -13,7 +13,7 @@ from types import MappingProxyType
 import numpy as np
 
 from prefetchd.sources import kinds
-from prefetchd.sources.index import NO_LABEL, SampleBytes, SampleIndex
+from prefetchd.sources.index import NEVER, NO_LABEL, SampleBytes, SampleIndex
 from prefetchd.sources.places import FILE
 
 
@@ -24,6 +24,7 @@ class SampleReader:
         self.index = index
         self._sources, self._source_ends = list(sources), np.cumsum(source_sizes)
         self._readers: dict[int, SampleBytes] = {}
+        self._uses: dict[int, tuple[int, int]] = {}  # the coming samples' use now and next in the plan (read_ahead)
 
     def image_bytes(self, sid: int) -> bytes:
         """The encoded image of sample ``sid``. ValueError (a bad sample) for one without a label
@@ -34,11 +35,14 @@ class SampleReader:
         options = self._options(sid)
         if place != FILE and self.index.labels[sid] == NO_LABEL:
             raise ValueError(reader.why_no_label(path, a, b, options))
+        reader.now, reader.next_use = self._uses.get(sid, (0, NEVER))
         return reader.read_sample(path, a, b, options)
 
-    def read_ahead(self, ids: np.ndarray) -> None:
+    def read_ahead(self, ids: np.ndarray, uses: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         """Ask for the coming samples' bytes now, all at once and in container-offset order, so a
-        cold page cache or a network file system reads them while the batch's first ones decode."""
+        cold page cache or a network file system reads them while the batch's first ones decode.
+        ``uses``: where the plan uses each of them now and next (plan.Plan.uses), for a cache."""
+        self._uses = {} if uses is None else dict(zip(ids.tolist(), zip(*(u.tolist() for u in uses))))
         if self.index.kinds is None:
             return
         wanted: dict[int, list] = {}

@@ -16,6 +16,7 @@ from reading the shard through once.
 
 from __future__ import annotations
 
+import collections
 import functools
 import io
 import logging
@@ -100,8 +101,15 @@ def _range_product(pattern: str) -> int:
 
 
 def scan_webdataset(src: dict, where: str) -> SampleIndex:
-    """Index the shards of a ``kind = "webdataset"`` source: one sample per key, in shard order.
-    Shards in a store are indexed several at a time (each one a stream of range requests)."""
+    """webdataset_parts' index whole, in memory (a small dataset: tests, tools)."""
+    return SampleIndex.concat(list(webdataset_parts(src, where)))
+
+
+def webdataset_parts(src: dict, where: str) -> Iterator[SampleIndex]:
+    """Index the shards of a ``kind = "webdataset"`` source: one sample per key, in shard order,
+    a shard's samples at a time (the job's index is written as they come: 10^4 shards of 10^4
+    samples are never in memory at once). Shards in a store are indexed several at a time
+    (each one a stream of range requests)."""
     label_key = src.get("label_key")
     _check_cache(src, where)
     shards = []
@@ -113,28 +121,34 @@ def scan_webdataset(src: dict, where: str) -> SampleIndex:
         raise DataError(f"{where}: urls names no shard")
     progress = _Progress(len(shards), where)
     store = objects.Objects() if any(objects.is_url(shard) for shard in shards) else None
-    found: dict[str, list] = {}  # the identity of each shard in a store, as indexed
     down: set[str] = set()  # stores that do not answer
     remembered: list[str] = []  # shards served with the last start's index, their store not answering
 
-    def index_one(shard: str) -> np.ndarray:
+    def index_one(shard: str) -> SampleIndex:
         stopsignals.check_starting()  # indexing thousands of shards takes a while: a stop need not wait
+        in_store = None
         if store is None or not objects.is_url(shard):
             table = _shard_index(shard, label_key, where)
         else:
             info, table, from_before = _object_index(store, shard, label_key, where, down)
-            found[shard] = info.to_json()
+            in_store = {shard: info.to_json()}
             if from_before:
                 remembered.append(shard)
         progress.done_one()
-        return table
+        return SampleIndex.in_containers([shard], [len(table)], TAR_MEMBER, table[:, :2], table[:, 2], in_store)
 
+    samples = 0
     if store is None:
-        tables = [index_one(shard) for shard in shards]  # a missing shard stops it before the rest
+        for shard in shards:  # a missing shard stops it before the rest
+            part = index_one(shard)
+            samples += len(part)
+            yield part
     else:
         pool = ThreadPoolExecutor(_INDEXING_THREADS, thread_name_prefix="prefetchd-index")
         try:
-            tables = list(pool.map(index_one, shards))
+            for part in _in_order(pool, index_one, shards, ahead=4 * _INDEXING_THREADS):
+                samples += len(part)
+                yield part
         finally:
             # The first failure (a missing shard, a store down, a stop) ends it: the shards not
             # begun are not, or a store that is down would be asked about each in turn.
@@ -150,13 +164,20 @@ def scan_webdataset(src: dict, where: str) -> SampleIndex:
             len(shards),
             ", ".join(sorted(down)),
         )
-    counts = [len(table) for table in tables]
-    if not sum(counts):
+    if not samples:
         raise DataError(f"{where}: the {len(shards)} shard(s) of urls hold no sample; is urls right?")
-    members = np.concatenate([table[:, :2] for table in tables])
-    labels = np.concatenate([table[:, 2] for table in tables])
-    in_store = {shard: found[shard] for shard in shards if shard in found}  # in shard order, whichever ended first
-    return SampleIndex.in_containers(shards, counts, TAR_MEMBER, members, labels, in_store)
+
+
+def _in_order(pool: ThreadPoolExecutor, fn, items: list, ahead: int) -> Iterator:
+    """``pool.map(fn, items)`` with at most ``ahead`` results begun before the one given next
+    (map would begin them all, and keep every result that comes before its turn)."""
+    pending: collections.deque = collections.deque()
+    for item in items:
+        pending.append(pool.submit(fn, item))
+        if len(pending) >= ahead:
+            yield pending.popleft().result()
+    while pending:
+        yield pending.popleft().result()
 
 
 def _check_cache(src: dict, where: str) -> None:

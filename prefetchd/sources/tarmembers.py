@@ -215,13 +215,13 @@ class TarMembers(SampleBytes):
         start, end = min(start, info.size), min(start + length, info.size)
         cache = self._cache
         identity = self.objects_indexed[shard]
-        if cache is not None and (data := cache.get(shard, identity, start, end)) is not None:
+        if cache is not None and (data := cache.get(shard, identity, start, end, self.next_use)) is not None:
             return data
         data = self._from_ahead(shard, start, end)
         if data is None:
             data = self._objects().read(shard, start, end, info)
         if cache is not None:
-            cache.put(shard, identity, start, end, data)
+            cache.put(shard, identity, start, end, data, self.next_use, self.now)
         return data
 
     def _from_ahead(self, shard: str, start: int, end: int) -> bytes | None:

@@ -214,6 +214,7 @@ class BatchProducer:
         self.plan = Plan.from_json(spec.plan)
         self.index = SampleIndex.load(self.paths.dir / "index") if index is None else index
         self.reader = SampleReader(self.index, spec.sources, self.plan.source_sizes)
+        self._caching = any(source.get("cache") for source in spec.sources)  # a cache evicts by the plan's next use
         self.progress.io = self.reader.io_totals
         if spec.pipeline:
             self._user_fn = load_callable(spec.pipeline)
@@ -272,7 +273,7 @@ class BatchProducer:
         number of batches; the replacement is deterministic and recorded.
         """
         ids, passes = self.plan.batch_samples(epoch, step, rank)
-        self.reader.read_ahead(ids)
+        self.reader.read_ahead(ids, self.plan.uses(epoch, step, rank) if self._caching else None)
         if self.plan.evaluation:
             arrays["valid"][:] = self.plan.batch_valid(step, rank)
         report, run = FillReport([]), 0

@@ -151,14 +151,15 @@ def test_shipped_configs_are_valid():
 def test_content_identity_changes_with_what_decides_content():
     a = build()
     same = build(buffer="9G", workers=7, world_size=4, batch_size=3)  # layout, not content
-    assert a.content(10, "d") == same.content(10, "d")
-    assert a.content(10, "d") != build(seed=1).content(10, "d")
-    assert a.content(10, "d") != a.content(10, "other data")
+    assert a.content(10, "d", 2) == same.content(10, "d", 2)
+    assert a.content(10, "d", 2) != build(seed=1).content(10, "d", 2)
+    assert a.content(10, "d", 2) != a.content(10, "other data", 2)
     assert (
-        a.content(10, "d")["augment"]
-        != build({"transform": [{"op": "center_crop", "size": 9}]}).content(10, "d")["augment"]
+        a.content(10, "d", 2)["augment"]
+        != build({"transform": [{"op": "center_crop", "size": 9}]}).content(10, "d", 2)["augment"]
     )
-    assert content_hash(a.content(10, "d")) != content_hash(a.content(11, "d"))
+    assert content_hash(a.content(10, "d", 2)) != content_hash(a.content(11, "d", 2))
+    assert a.content(10, "d", 2) != a.content(10, "d", 1)  # another shuffle: a state's position names other samples
 
 
 @pytest.mark.parametrize("section", ["job", "daemon", "mix", "pipeline"])

@@ -144,6 +144,10 @@ def test_state_dict_resumes_at_the_exact_batch(tmp_path, jpeg_folder, serve):
     other = dict(state, config_hash="0" * 16, config={**state["config"], "seed": 5})
     with pytest.raises(PlanMismatch, match="another config \\(seed: state has 5, job has 0\\)"):
         resumed.load_state_dict(other)
+    # a state taken before the plan's order 2 (its config has no order): refused, saying why
+    order_1 = dict(state, config_hash="0" * 16, config={k: v for k, v in state["config"].items() if k != "order"})
+    with pytest.raises(PlanMismatch, match=r"order: state has None, job has 2 \(order: how an epoch's samples are"):
+        resumed.load_state_dict(order_1)
 
 
 def test_tensors_when_torch_is_present(tmp_path, jpeg_folder, serve):

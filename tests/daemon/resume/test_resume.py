@@ -112,7 +112,7 @@ def test_elastic_resume_with_the_same_global_batch_loses_and_repeats_nothing(
     assert sorted(epoch0) == list(range(SAMPLES)), "a sample was lost or repeated across the change"
     assert {len(a) for a in after} == {(SAMPLES - 16) // (new_world * new_batch)}  # ranks stay equal
     # and it is the same permutation, continued at the same offset
-    perm = Plan(SAMPLES, 1, 8, seed=4).order(0)[0]
+    perm = Plan(SAMPLES, 1, 8, seed=4).epoch_order(0)[0]
     assert sum(before, []) == perm[:16].tolist()
 
 
@@ -125,7 +125,7 @@ def test_elastic_resume_with_another_global_batch_repeats_less_than_one_global_b
     seen = sum(before, []) + sum((sum(a, []) for a in after), [])
     repeated = len(seen) - len(set(seen))
     assert 0 < repeated < 10  # resumes at step 1 (samples 10..): samples 10 and 11 come twice
-    assert set(seen) >= set(Plan(SAMPLES, 2, 5, seed=4).order(0)[0][: 10 * 4].tolist())
+    assert set(seen) >= set(Plan(SAMPLES, 2, 5, seed=4).epoch_order(0)[0][: 10 * 4].tolist())
 
 
 def test_warm_restart_finds_retained_batches_ready(tmp_path, jpeg_folder, serve):
