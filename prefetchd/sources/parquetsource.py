@@ -18,6 +18,7 @@ a FIFO planted under a ``.parquet`` name would otherwise block its reader foreve
 from __future__ import annotations
 
 import glob
+import logging
 import os
 import stat
 
@@ -30,6 +31,8 @@ from prefetchd.sources.index import NO_LABEL, SampleIndex
 from prefetchd.sources.objectfile import ObjectFile
 from prefetchd.sources.parquetpages import column_leaf
 from prefetchd.sources.places import PARQUET_ROW
+
+log = logging.getLogger(__name__)
 
 _OBJECT_CHUNK = 1 << 20  # a Parquet object is read in ranges of this (its footer, page headers), more at once
 IMAGE_TYPES = (
@@ -208,10 +211,12 @@ def _scan_file(
                 f"{what}: image_column {image_column!r} is {image_type}, not {IMAGE_TYPES}; "
                 "set image_column to the column of encoded images"
             )
-        if image_leaf(pa, pf, image_column) is None:
+        leaf = image_leaf(pa, pf, image_column)
+        if leaf is None:
             raise DataError(
                 f"{what}: cannot tell which of its Parquet leaf columns holds image_column {image_column!r}"
             )
+        missing = _null_count(meta, leaf)
         label_type = _field(schema, label_column, "label_column", what).type
         if not pa.types.is_integer(label_type):
             raise DataError(
@@ -234,7 +239,36 @@ def _scan_file(
             )
     if len(column) != groups.sum():
         raise DataError(f"{what}: its footer counts {groups.sum()} rows but the label column has {len(column)}")
+    if missing and missing >= len(column):
+        raise DataError(_no_images(what, image_column, _images_in(pa, image_type)[1], len(column)))
+    if missing:
+        log.warning("%s: %d of its %d rows have no image in %r: bad samples", what, missing, len(column), image_column)
     return groups, _labels(column, groups, what)
+
+
+def _null_count(meta, leaf: int) -> int | None:
+    """The null values of leaf column ``leaf`` in every row group, as the footer's statistics
+    count them (a struct's own nulls among them); None where some row group has none."""
+    nulls = 0
+    for g in range(meta.num_row_groups):
+        stats = meta.row_group(g).column(leaf).statistics
+        if stats is None or not stats.has_null_count:
+            return None
+        nulls += stats.null_count
+    return nulls
+
+
+def _no_images(what: str, column: str, child: str | None, rows: int) -> str:
+    """Why a file whose image column is null in every row is refused, and how to fill it."""
+    if child is None:
+        return f"{what}: image_column {column!r} is null in all its {rows} rows; set image_column to the images' column"
+    return (
+        f"{what}: image_column {column!r} has no image bytes in any of its {rows} rows: its {child!r} field is "
+        "null, as a Hugging Face Image column made from file paths leaves it (only 'path' is set, and prefetchd "
+        "reads the bytes, never a path). Embed the images before writing the file: with datasets, "
+        "`from datasets.table import embed_table_storage; ds = ds.with_format('arrow').map(embed_table_storage, "
+        "batched=True).with_format(None)`, then `ds.to_parquet(...)`"
+    )
 
 
 def _field(schema, name: str, key: str, what: str):

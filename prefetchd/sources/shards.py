@@ -49,7 +49,7 @@ from prefetchd.sources.shardcache import (
     remember_object,
     table_fits,
 )
-from prefetchd.sources.tarformat import index_tar
+from prefetchd.sources.tarformat import NoLabels, index_tar
 
 log = logging.getLogger(__name__)
 
@@ -231,6 +231,8 @@ def _shard_index(shard: str, label_key: str | None, where: str) -> np.ndarray:
             fd, _ = open_data_file(shard)  # a FIFO swapped in since the stat: refused, not a hung start
             with open(fd, "rb") as f:
                 table = index_tar(f, functools.partial(os.pread, fd), shard, label_key)
+        except NoLabels as exc:
+            raise DataError(f"{where}: shard {shard}: {exc}") from None
         except (tarfile.TarError, OSError, ValueError, RecursionError) as exc:
             raise DataError(f"{where}: shard {shard} is not a readable tar file ({exc}); check urls") from None
         _save_cached(cache, table)
@@ -298,6 +300,8 @@ def _object_index(
             f"{where}: shard {objects.shown(url)} changed while it was indexed (the store gave it another ETag "
             "from one request to the next); start again once it is written, or fix a store whose ETags change"
         ) from None
+    except NoLabels as exc:
+        raise DataError(f"{where}: shard {objects.shown(url)}: {exc}") from None
     except (tarfile.TarError, ValueError, RecursionError) as exc:
         raise DataError(f"{where}: shard {objects.shown(url)} is not a readable tar file ({exc}); check urls") from None
     return info, table, False

@@ -36,6 +36,11 @@ _WDS_META = re.compile(r"__[^/]*__($|/)")
 NO_IMAGE = 1  # -1: the sample has no image member (header 0: none)
 BY_HEADER = 2  # read as its header defines it: a sparse member (tar --sparse), or one whose size overruns its data
 REPEATS = 3  # a member's extension repeats within the sample (WebDataset: "duplicate file name")
+
+
+class NoLabels(Exception):
+    """A shard none of whose samples has a label: every one would be a bad sample, and the
+    daemon would stop in its first seconds; ``start`` says it instead, with the fix."""
 _REGULAR = (tarfile.REGTYPE, tarfile.AREGTYPE, tarfile.CONTTYPE)  # tarfile's regular types but sparse
 Pread = Callable[[int, int], bytes]  # (size, offset) -> the bytes there, as os.pread with its fd bound
 
@@ -45,6 +50,7 @@ def index_tar(f, pread: Pread, shard: str, label_key: str | None) -> np.ndarray:
     label. ``f``: the shard open for reading from its start, ``pread`` reading it at an offset.
     Raises what tarfile or the reads raise when the shard cannot be read as a tar at all."""
     rows: list[list[int]] = []
+    with_json = 0  # samples with a .json member, while label_key is unset (a hint when none has a label)
     key, extensions = None, set()  # the sample being grouped: its key and the extensions it has
     repeats, first_repeat = 0, None  # samples refused for a key that repeats, and the first: its key, member, header
     with tarfile.open(fileobj=f, mode="r:") as tar:
@@ -97,6 +103,8 @@ def index_tar(f, pread: Pread, shard: str, label_key: str | None) -> np.ndarray:
                 row[1], row[3] = size_column(member.size), IMAGE_KEYS.index(ext)
             elif (ext == "cls" and label_key is None) or (ext == "json" and label_key is not None):
                 row[2] = label_of(pread, member, tar.offset, label_key)
+            elif ext == "json":
+                with_json += 1
     if first_repeat:  # one line a shard: a shard of a million such samples is one problem
         key, name, offset = first_repeat
         log.warning(
@@ -108,7 +116,26 @@ def index_tar(f, pread: Pread, shard: str, label_key: str | None) -> np.ndarray:
             name,
             offset,
         )
-    return np.asarray(rows, dtype=np.int64).reshape(-1, 4)[:, :3].copy()
+    table = np.asarray(rows, dtype=np.int64).reshape(-1, 4)
+    read = table[table[:, 3] >= 0]  # not refused for a repeated key
+    if len(read) and (read[:, 2] == NO_LABEL).all():
+        raise NoLabels(_why_no_labels(len(read), with_json, label_key))
+    return table[:, :3].copy()
+
+
+def _why_no_labels(samples: int, with_json: int, label_key: str | None) -> str:
+    if label_key is not None:
+        return (
+            f"none of its {samples} samples has a .json member holding an integer label under label_key "
+            f"{label_key!r}; set label_key to the key the labels are under, or leave it out to read .cls members"
+        )
+    if with_json:
+        return (
+            f"none of its {samples} samples has a .cls member, and {with_json} have a .json member: if the labels "
+            'are in those, set label_key = "<the label\'s key in them>" in the [[source]] (label_key = "label", '
+            "for example)"
+        )
+    return f"none of its {samples} samples has a label (a .cls member holding the class index); add them"
 
 
 def size_column(size: int) -> int:

@@ -21,8 +21,8 @@ from prefetchd_client.batchfile import map_batch
 from prefetchd_client.layout import JobPaths
 from prefetchd_client.locks import daemon_alive
 from tests.component.test_parquet import HF_IMAGE, jpegs, pa, pq
-from tests.component.test_shards import jpeg, write_shard
-from tests.conftest import wait_until, write_config
+from tests.component.test_shards import write_shard
+from tests.conftest import cli, wait_until, write_config
 from tests.helpers import read_epoch
 
 pytestmark = pytest.mark.timeout(180)
@@ -190,8 +190,9 @@ def hf_parquet(path: Path, images: list[bytes | None]) -> Path:
 
 def test_a_parquet_file_of_unembedded_images_stops_with_the_readers_words_and_the_rows_place(tmp_path, serve):
     """issue 24 finding 4: the daemon stopped with "is the data folder readable?"; what the reader
-    said (a null image) was swallowed by the replacement loop, and nowhere to be read."""
-    data = hf_parquet(tmp_path / "train.parquet", [None] * 40)
+    said (a null image) was swallowed by the replacement loop, and nowhere to be read. (One row
+    has its image: a file with none fails `start` already, below.)"""
+    data = hf_parquet(tmp_path / "train.parquet", [None] * 40 + jpegs(1))
     config = write_config(tmp_path, tmp_path, batch_size=8, source=f'kind = "parquet"\npath = "{data}"')
     message, paths = stopped_job(serve, config)
     cause = re.compile(rf"ValueError: {re.escape(str(data))}: null image in column 'image' \(row group 0, row \d+\)")
@@ -230,12 +231,31 @@ def test_a_few_null_images_among_good_rows_are_recorded_each_with_its_cause(tmp_
     wait_until(lambda: all(line in paths.log.read_text() for line in lines), what="each cause in daemon.log")
 
 
-def test_shards_labelled_by_json_without_label_key_stop_saying_so(tmp_path, serve):
-    samples = [{"jpg": jpeg(i), "json": json.dumps({"label": i % 2}).encode()} for i in range(16)]
-    shard = write_shard(tmp_path / "s.tar", samples)
-    config = write_config(tmp_path, tmp_path, batch_size=4, source=f'kind = "webdataset"\nurls = "{shard}"')
-    message, paths = stopped_job(serve, config)
-    assert re.search(rf"sample \d+ \(shard {re.escape(str(shard))} member \d+\.jpg\)", message), message
-    assert "label_key" in message and ".json" in message, message
-    assert "label_key" in paths.log.read_text()
-    clear_stopped(paths)
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param("hf-paths-only", id="hf-parquet-of-paths"),
+        pytest.param("json-labels", id="shards-labelled-by-json"),
+        pytest.param("no-labels", id="shards-without-labels"),
+        pytest.param("wrong-label-key", id="shards-with-another-label-key"),
+    ],
+)
+def test_data_whose_every_sample_would_be_bad_fails_start_with_the_fix(tmp_path, job_root, case):
+    """issue 27: what the index already knows fails `start` (exit 3) with the fix, instead of a
+    daemon that says "serving" and stops in its first second."""
+    images = jpegs(12, seed=5)
+    if case == "hf-paths-only":  # Dataset.from_dict({"image": paths}).cast_column("image", Image()).to_parquet()
+        data = hf_parquet(tmp_path / "train.parquet", [None] * len(images))
+        source, fix = f'kind = "parquet"\npath = "{data}"', "embed_table_storage"
+    else:
+        label = {"json-labels": "json", "no-labels": "txt", "wrong-label-key": "json"}[case]
+        samples = [{"jpg": image, label: json.dumps({"label": i % 2}).encode()} for i, image in enumerate(images)]
+        data = write_shard(tmp_path / "s.tar", samples)
+        source = f'kind = "webdataset"\nurls = "{data}"'
+        source += '\nlabel_key = "class"' if case == "wrong-label-key" else ""
+        fix = {"json-labels": "set label_key", "no-labels": ".cls member", "wrong-label-key": "'class'"}[case]
+    config = write_config(tmp_path, tmp_path, batch_size=4, source=source)
+    result = cli("start", str(config))
+    assert result.returncode == 3, result.stderr
+    assert str(data) in result.stderr and fix in result.stderr and "Traceback" not in result.stderr, result.stderr
+    assert not list(job_root.iterdir())  # nothing left behind
