@@ -59,7 +59,8 @@ from prefetchd_client.layout import parse_tcp_endpoint
 from prefetchd_client.ranks import format_ranks
 from prefetchd_client.transport import load_secret_certificate
 
-# Without a config file: the usual ImageNet training crop, or with --mode eval its evaluation view.
+# A config without [[transform]] or [pipeline] (or none at all): the usual ImageNet training crop, or
+# with mode = "eval" its evaluation view.
 DEFAULT_TRANSFORMS = ({"op": "random_resized_crop", "size": 224}, {"op": "hflip"})
 DEFAULT_EVAL_TRANSFORMS = ({"op": "resize_short", "size": 256}, {"op": "center_crop", "size": 224})
 _SECTIONS = {*settings.SECTIONS, "source", "transform"}
@@ -286,7 +287,10 @@ def build_config(raw: dict, *, base: Path, default_name: str, overrides: dict | 
     values["decoder"] = _resolve_decoder(values["decoder"])
     sources = _check_sources(raw.get("source", []), data, base)
 
-    specs = raw.get("transform", [])
+    specs = raw.get("transform")
+    if specs is None and values["pipeline"] is None:  # no [[transform]] and no callable: the default of the mode
+        specs = [dict(t) for t in (DEFAULT_EVAL_TRANSFORMS if values["mode"] == "eval" else DEFAULT_TRANSFORMS)]
+    specs = [] if specs is None else specs
     if not isinstance(specs, list):
         raise ConfigError("transform must be an array of tables: write [[transform]], not [transform]")
     if values["pipeline"] is None:
@@ -353,11 +357,7 @@ def _check_sources(raw_sources, data: str | None, base: Path) -> tuple[dict, ...
 def load_config(path: str | os.PathLike | None, overrides: dict | None = None) -> Config:
     """Read a TOML config (or none: flags only) and apply flag overrides."""
     if path is None:
-        # --pipeline replaces the default crop: with both, the config would mix the two.
-        pipeline_flag = (overrides or {}).get("pipeline") is not None
-        default = DEFAULT_EVAL_TRANSFORMS if (overrides or {}).get("mode") == "eval" else DEFAULT_TRANSFORMS
-        raw = {} if pipeline_flag else {"transform": [dict(t) for t in default]}
-        return build_config(raw, base=Path.cwd(), default_name="default", overrides=overrides)
+        return build_config({}, base=Path.cwd(), default_name="default", overrides=overrides)
     path = Path(path)
     if path.exists() and not path.is_file():  # a FIFO would block the read forever
         raise ConfigError(f"config file {path} is not a regular file")

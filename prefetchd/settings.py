@@ -402,13 +402,16 @@ def section_keys(section: str) -> list[str]:
 
 
 def echo(config: Any) -> dict:  # a prefetchd.config.Config, which builds on this module
-    """The config's keys as ``{section: {key: value}}`` (JSON-serialisable): what
+    """The config's keys as ``{section: {key: value}}`` (JSON-serialisable), and its
+    ``source`` and ``transform`` tables as lists (as checked: paths made absolute): what
     ``prefetchd status --json`` shows. Values are those a config file may hold (the buffer in
     bytes); unset keys are None."""
-    echoed: dict[str, dict] = {section: {} for section in SECTIONS}
+    echoed: dict = {section: {} for section in SECTIONS}
     for s in SETTINGS:
         value = getattr(config, s.field)
         echoed[s.section][s.key] = list(value) if isinstance(value, tuple) else value  # as JSON has it
+    echoed["source"] = [dict(source) for source in config.sources]
+    echoed["transform"] = [dict(transform) for transform in config.transforms]
     return echoed
 
 

@@ -17,6 +17,7 @@ import typer
 from rich.markup import escape
 
 from prefetchd import control, settings
+from prefetchd.cli.summary import start_summary
 from prefetchd.cli.terminal import bounded, err, literal, out
 from prefetchd.errors import DaemonStop, ExitCode, JobError, UserError, describe, error_from_json
 from prefetchd_client.errors import AuthError, UnsafeFolder
@@ -164,6 +165,10 @@ def start(
         raise _fail(exc) from None
     job_dir, pid = literal(msg["job_dir"]), literal(msg["pid"])  # the daemon's words
     out.print(f"job {literal(cfg.name)} serving\njob dir: {job_dir}\npid: {pid}", highlight=False)
+    try:
+        out.print(literal(start_summary(read_manifest(paths))), highlight=False)
+    except (OSError, ValueError, KeyError, TypeError):  # stopped meanwhile, or another version's: status says
+        pass
 
 
 def _serve_in_foreground(cfg, paths: JobPaths, keep: bool) -> None:

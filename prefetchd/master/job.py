@@ -63,6 +63,7 @@ class Job:
     plan_digest: str  # what a batch's bytes depend on (plan_digest)
     spec: ProducerSpec
     index_bytes: int  # the index's files in the job folder: on the tmpfs beside the buffer, once for all processes
+    classes: int  # the largest label + 1
 
     def batch_name(self, rank: int, index: int) -> str:
         """``e3 s12 r1``: how log lines and messages name a batch."""
@@ -70,10 +71,11 @@ class Job:
         return f"e{epoch} s{step} r{rank}"
 
 
-def write_index(sources: tuple[dict, ...], folder) -> tuple[SampleIndex, tuple[int, ...]]:
+def write_index(sources: tuple[dict, ...], folder) -> tuple[SampleIndex, tuple[int, ...], int]:
     """One index over all sources, in config order (sample ids continue across sources),
     written to ``folder`` as the sources are scanned (a source of many shards a shard at a
-    time), and the number of samples of each source. The index comes back as its files."""
+    time), the number of samples of each source, and of classes (the largest label + 1).
+    The index comes back as its files."""
     writer, sizes = IndexWriter(folder), []
     try:
         for i, src in enumerate(sources):
@@ -89,13 +91,13 @@ def write_index(sources: tuple[dict, ...], folder) -> tuple[SampleIndex, tuple[i
         writer.finish()
     finally:
         writer.close()
-    return SampleIndex.load(folder), tuple(sizes)
+    return SampleIndex.load(folder), tuple(sizes), writer.max_label + 1
 
 
 def build_index(sources: tuple[dict, ...]) -> tuple[SampleIndex, tuple[int, ...]]:
     """write_index's index in this process's memory (tests and benchmarks: a small dataset)."""
     with tempfile.TemporaryDirectory(prefix="prefetchd-index-") as folder:
-        index, sizes = write_index(sources, Path(folder) / "index")
+        index, sizes, _ = write_index(sources, Path(folder) / "index")
         return index.in_memory(), sizes
 
 
@@ -106,7 +108,7 @@ def _parts(scanned) -> Iterable[SampleIndex]:
 
 def build_job(config: Config, paths: JobPaths) -> Job:
     """Index the data, plan the epochs, and write what workers and `prefetchd verify` read."""
-    index, sizes = write_index(config.sources, paths.dir / "index")
+    index, sizes, classes = write_index(config.sources, paths.dir / "index")
     weights = tuple(s["weight"] for s in config.sources) if "weight" in config.sources[0] else ()
     evaluation = config.mode == "eval"
     drop_last = config.drop_last and not evaluation  # an evaluation reads every sample: it pads
@@ -136,7 +138,7 @@ def build_job(config: Config, paths: JobPaths) -> Job:
     )
     write_json(paths.dir / PRODUCER_SPEC, spec.to_json())  # `prefetchd verify` remakes batches from it
     index_bytes = sum(entry.stat().st_size for entry in os.scandir(paths.dir / "index"))
-    return Job(config, paths, plan, source_names, content, spec.config_hash, digest, spec, index_bytes)
+    return Job(config, paths, plan, source_names, content, spec.config_hash, digest, spec, index_bytes, classes)
 
 
 def fit_layout(job: Job, fields: list[FieldSpec]) -> tuple[BatchLayout, int]:
@@ -177,6 +179,9 @@ def write_manifest(job: Job, layout: BatchLayout, *, window: int, endpoint: str,
         "plan_digest": job.plan_digest,  # every batch's meta carries it (verify mode checks)
         "config": job.content,
         "num_samples": job.plan.num_samples,
+        "classes": job.classes,
+        "transforms": list(cfg.transforms),  # for people: `start` and `status` show them
+        "decoder": cfg.decoder,
         "batches_per_epoch": job.plan.batches_per_epoch,
         "world_size": cfg.world_size,
         "ranks": list(cfg.served_ranks),  # this node's: a trainer of another rank is told where it is not

@@ -151,6 +151,7 @@ class IndexWriter:
     def __init__(self, folder: Path):
         folder.mkdir(mode=0o700, exist_ok=True)
         self.folder, self.samples, self.objects = folder, 0, {}
+        self.max_label = -1  # the classes are 0..max_label, as far as the labels tell
         self._columns: dict[str, ColumnWriter] = {}
         for name, dtype, width in (("paths.npy", "|u1", 0), ("offsets.npy", "<i8", 0), ("labels.npy", "<i8", 0)):
             self._columns[name] = ColumnWriter(folder / name, dtype, width)
@@ -181,6 +182,8 @@ class IndexWriter:
                 c["starts.npy"].append(np.asarray(part.starts[1:]) + self.samples)
         self._path_bytes += len(part.paths)
         self.samples += len(part)
+        if len(part):
+            self.max_label = max(self.max_label, int(np.max(part.labels)))
         self.objects.update(part.objects or {})
 
     def finish(self) -> None:

@@ -174,3 +174,19 @@ def test_pipeline_flag_without_a_config_file_replaces_the_default_transforms(tmp
     assert (cfg.pipeline, cfg.transforms) == ("mypkg.aug:make_sample", ())
     with pytest.raises(ConfigError, match=r"use either \[pipeline\] callable \(--pipeline\) or \[\[transform\]\]"):
         build(pipeline="mypkg.aug:make_sample")  # BASE has [[transform]] entries
+
+
+def test_a_config_without_transforms_gets_the_default_of_its_mode_as_no_config_does():
+    """issue 27: one default pipeline, whether a config names transforms or there is no config."""
+    from prefetchd.config import DEFAULT_EVAL_TRANSFORMS, DEFAULT_TRANSFORMS
+
+    no_transform = {k: v for k, v in BASE.items() if k != "transform"}
+    config = build_config(no_transform, base=Path("/cfg"), default_name="x")
+    assert config.transforms == DEFAULT_TRANSFORMS == load_config(None, {"data": "/d"}).transforms
+    evaluation = build_config(no_transform | {"job": {"mode": "eval"}}, base=Path("/cfg"), default_name="x")
+    no_config = load_config(None, {"data": "/d", "mode": "eval"})
+    assert evaluation.transforms == DEFAULT_EVAL_TRANSFORMS == no_config.transforms
+    callable_ = build_config(no_transform, base=Path("/cfg"), default_name="x", overrides={"pipeline": "m:f"})
+    assert callable_.transforms == ()
+    with pytest.raises(ConfigError, match="fixed output size"):  # an explicit empty list is not the default
+        build_config(no_transform | {"transform": []}, base=Path("/cfg"), default_name="x")
