@@ -12,7 +12,6 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import sys
 import threading
 import time
 import weakref
@@ -27,6 +26,7 @@ from .folders import open_job
 from .layout import MAX_EPOCH, JobPaths, jobs_under, root_source
 from .locks import daemon_alive, hold_trainer_lock, release_trainer_lock
 from .manifest import VersionMismatch, check_manifest, check_plan, read_manifest, read_stopped
+from .ranks import default_rank_and_world
 from .readahead import ReadAhead, Readers
 from .statecheck import config_mismatch
 from .text import printable
@@ -60,17 +60,6 @@ def _torch():
         return importlib.import_module("torch")
     except ImportError:
         return None
-
-
-def _default_rank_and_world() -> tuple[int, int]:
-    """torch.distributed's rank and world size where a process group is up, else $RANK and
-    $WORLD_SIZE. torch is only looked up, never imported: a process group means it is imported
-    already, and a trainer without torch (numpy arrays, as_tensors=False) would pay ~2 s of CPU."""
-    torch = sys.modules.get("torch")
-    dist = getattr(torch, "distributed", None)
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 class _EpochSampler:
@@ -130,7 +119,7 @@ class PrefetchLoader:
         self._root_source = root_source(root)
         self.manifest = self._read_manifest()
         if rank is None or world_size is None:
-            default_rank, default_world = _default_rank_and_world()
+            default_rank, default_world = default_rank_and_world()
             rank = default_rank if rank is None else rank
             world_size = default_world if world_size is None else world_size
         self.rank, self.world_size = int(rank), int(world_size)
@@ -242,6 +231,20 @@ class PrefetchLoader:
     @property
     def batch_size(self) -> int:
         return self.manifest["batch_size"]
+
+    @property
+    def classes(self) -> list[str] | None:
+        """The class names, label i named by ``classes[i]``, as torchvision's ImageFolder has them:
+        an image folder's class folders, the classes `prefetchd pack` kept, a Parquet file's
+        Hugging Face ClassLabel; None where the data names none."""
+        names = self.manifest.get("class_names")
+        return list(names) if isinstance(names, list) and all(isinstance(n, str) for n in names) else None
+
+    @property
+    def class_to_idx(self) -> dict[str, int] | None:
+        """``{name: label}`` (torchvision's ``class_to_idx``), or None as for ``classes``."""
+        names = self.classes
+        return None if names is None else {name: i for i, name in enumerate(names)}
 
     @property
     def wait_stats(self) -> dict:

@@ -11,10 +11,14 @@ messages as ``0-3,8``. The text form, exactly::
 Blanks are allowed around every item and dash alike (``0-3, 8`` as ``0-3,8``), and a range of
 one rank alike (``--ranks $((N*G))-$((N*G+G-1))`` with one GPU per node writes ``3-3``);
 anything else (another space, a newline, a sign, a Unicode digit, an empty item) is refused,
-as is a rank given twice, in a message that shows the value.
+as is a rank given twice, in a message that shows the value. A loader given no rank takes
+torch.distributed's, or $RANK (default_rank_and_world).
 """
 
 from __future__ import annotations
+
+import os
+import sys
 
 from .layout import MAX_RANK
 
@@ -78,3 +82,14 @@ def format_ranks(ranks) -> str:
         else:
             runs.append([r, r])
     return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def default_rank_and_world() -> tuple[int, int]:
+    """torch.distributed's rank and world size where a process group is up, else $RANK and
+    $WORLD_SIZE. torch is only looked up, never imported: a process group means it is imported
+    already, and a trainer without torch (numpy arrays, as_tensors=False) would pay ~2 s of CPU."""
+    torch = sys.modules.get("torch")
+    dist = getattr(torch, "distributed", None)
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

@@ -8,6 +8,7 @@ writes ``index`` and ``producer.json``; ``fit_layout`` checks the bound against 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from collections.abc import Iterable
@@ -26,6 +27,8 @@ from prefetchd_client.batchfile import VERSION as BATCH_FORMAT_VERSION
 from prefetchd_client.batchfile import BatchLayout, FieldSpec
 from prefetchd_client.layout import JobPaths
 from prefetchd_client.manifest import MANIFEST_VERSION
+
+log = logging.getLogger(__name__)
 
 
 def plan_digest(config: Config, plan: dict, data_fingerprint: str) -> str:
@@ -64,6 +67,7 @@ class Job:
     spec: ProducerSpec
     index_bytes: int  # the index's files in the job folder: on the tmpfs beside the buffer, once for all processes
     classes: int  # the largest label + 1
+    class_names: list[str] | None  # label i's name, where the sources say (class_names)
 
     def batch_name(self, rank: int, index: int) -> str:
         """``e3 s12 r1``: how log lines and messages name a batch."""
@@ -138,7 +142,25 @@ def build_job(config: Config, paths: JobPaths) -> Job:
     )
     write_json(paths.dir / PRODUCER_SPEC, spec.to_json())  # `prefetchd verify` remakes batches from it
     index_bytes = sum(entry.stat().st_size for entry in os.scandir(paths.dir / "index"))
-    return Job(config, paths, plan, source_names, content, spec.config_hash, digest, spec, index_bytes, classes)
+    names = class_names(config.sources)
+    return Job(config, paths, plan, source_names, content, spec.config_hash, digest, spec, index_bytes, classes, names)
+
+
+_MAX_CLASS_NAMES_CHARS = 256 << 10  # of the manifest's 1 MiB
+
+
+def class_names(sources: tuple[dict, ...]) -> list[str] | None:
+    """The classes' names where every source names them alike (an image folder's class folders,
+    the classes `pack` kept, a Hugging Face ClassLabel); None where one does not, or they differ
+    (labels are one space across sources), or they would not fit the manifest."""
+    named = [KINDS[src["kind"]].names_of_classes(src) for src in sources]
+    names = named[0]
+    if names is None or any(other != names for other in named[1:]):
+        return None
+    if sum(len(n) + 4 for n in names) > _MAX_CLASS_NAMES_CHARS:
+        log.info("%d class names are too many for the manifest: the client's classes are None", len(names))
+        return None
+    return names
 
 
 def fit_layout(job: Job, fields: list[FieldSpec]) -> tuple[BatchLayout, int]:
@@ -180,6 +202,7 @@ def write_manifest(job: Job, layout: BatchLayout, *, window: int, endpoint: str,
         "config": job.content,
         "num_samples": job.plan.num_samples,
         "classes": job.classes,
+        "class_names": job.class_names,  # the client's classes and class_to_idx
         "transforms": list(cfg.transforms),  # for people: `start` and `status` show them
         "decoder": cfg.decoder,
         "batches_per_epoch": job.plan.batches_per_epoch,

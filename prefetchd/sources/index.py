@@ -265,6 +265,11 @@ def index_file_list(source: dict, where: str) -> SampleIndex:
     return read_file_list(source["path"], where)
 
 
+def folder_class_names(source: dict) -> list[str]:
+    """An image folder's classes: its class folders' names, label i the i-th (find_classes)."""
+    return find_classes(os.path.expanduser(source["root"]), "image_folder")
+
+
 def scan_image_folder(root: str, where: str) -> SampleIndex:
     """torchvision's ``ImageFolder(root).samples``, path for path and label for label.
 

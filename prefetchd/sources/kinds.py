@@ -33,12 +33,18 @@ class SourceKind:
     patterns: bool = False  # data_key takes brace patterns or a list of them; scan resolves them against "base"
     place: int = FILE  # where its samples' bytes lie (SampleIndex.kinds): FILE, a file of its own, or a container
     reader: str = "prefetchd.sources.index:OwnFiles"  # "module:class", a SampleBytes: one per worker and place
+    # "module:function": (its checked table) -> the class names, label i named by the i-th, or None
+    # where the source has none (the client's classes and class_to_idx)
+    class_names: str | None = None
 
     def scanner(self):
         return _load(self.scan)
 
     def reader_class(self):
         return _load(self.reader)
+
+    def names_of_classes(self, source: dict) -> list[str] | None:
+        return None if self.class_names is None else _load(self.class_names)(source)
 
 
 @cache
@@ -88,6 +94,7 @@ register(
         "root",
         "prefetchd.sources.index:index_image_folder",
         "a file under a class folder (torchvision's `ImageFolder` order)",
+        class_names="prefetchd.sources.index:folder_class_names",
     )
 )
 register(SourceKind("file_list", "path", "prefetchd.sources.index:index_file_list", "a `path,label` line"))
@@ -101,6 +108,7 @@ register(
         patterns=True,
         place=TAR_MEMBER,
         reader="prefetchd.sources.tarmembers:TarMembers",
+        class_names="prefetchd.sources.shards:packed_class_names",
     )
 )
 register(
@@ -112,5 +120,6 @@ register(
         options={"image_column": "image", "label_column": "label"},
         place=PARQUET_ROW,
         reader="prefetchd.sources.parquetrows:ParquetRows",
+        class_names="prefetchd.sources.parquetsource:parquet_class_names",
     )
 )

@@ -18,6 +18,7 @@ a FIFO planted under a ``.parquet`` name would otherwise block its reader foreve
 from __future__ import annotations
 
 import glob
+import json
 import logging
 import os
 import stat
@@ -154,6 +155,26 @@ def scan_parquet(src: dict, where: str) -> SampleIndex:
     finally:
         if store is not None:
             store.close()
+
+
+def parquet_class_names(src: dict) -> list[str] | None:
+    """The names of label_column's classes where the first file says them, as a Hugging Face
+    ``ClassLabel`` does in the schema's ``huggingface`` metadata; else None (a file in a store: not read)."""
+    paths = parquet_files(src["path"], "parquet")
+    if not paths or objects.is_url(paths[0]):
+        return None
+    try:
+        pf, _ = open_parquet(paths[0])
+    except Unreadable:
+        return None
+    with pf:
+        metadata = pf.schema_arrow.metadata or {}
+    try:
+        feature = json.loads(metadata.get(b"huggingface", b"{}"))["info"]["features"][src["label_column"]]
+        names = feature["names"] if feature.get("_type") == "ClassLabel" else None
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return None
+    return names if isinstance(names, list) and all(isinstance(n, str) for n in names) else None
 
 
 def _scan_files(paths: list[str], src: dict, where: str, store: objects.Objects | None) -> SampleIndex:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import functools
 import io
+import json
 import logging
 import os
 import re
@@ -178,6 +179,32 @@ def _in_order(pool: ThreadPoolExecutor, fn, items: list, ahead: int) -> Iterator
             yield pending.popleft().result()
     while pending:
         yield pending.popleft().result()
+
+
+_MAX_PACK_JSON_BYTES = 64 << 20
+
+
+def packed_class_names(src: dict) -> list[str] | None:
+    """The class names `prefetchd pack` wrote in ``pack.json`` beside the shards (local ones:
+    the first shard's folder), if that file lists the first shard; else None."""
+    first = next(expand_urls(src["urls"], src.get("base", "")), None)
+    if first is None or objects.is_url(first):
+        return None
+    try:
+        fd, st = open_data_file(os.path.join(os.path.dirname(first), "pack.json"))
+    except (OSError, ValueError):
+        return None
+    with open(fd, "rb") as f:
+        data = f.read(_MAX_PACK_JSON_BYTES + 1)
+    try:
+        pack = json.loads(data)
+        listed = {shard["name"] for shard in pack["shards"]}
+        names = pack["classes"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return None
+    if os.path.basename(first) not in listed or not isinstance(names, list):
+        return None
+    return names if all(isinstance(n, str) for n in names) else None
 
 
 def _check_cache(src: dict, where: str) -> None:
