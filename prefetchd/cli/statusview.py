@@ -65,6 +65,11 @@ def watch(fetch: Callable[[], list[dict]], console: Console, interval_s: float =
         return Group(stamp, *(render(s, live=True) for s in reports) or [Text("no jobs")])
 
     try:
+        if not console.is_terminal:  # a pipe or a file: Live would write its frame only at the end
+            while True:
+                console.print(frame())
+                console.file.flush()
+                time.sleep(interval_s)
         with Live(frame(), console=console, auto_refresh=False, transient=False) as live:
             while True:
                 time.sleep(interval_s)
