@@ -7,6 +7,7 @@ rather than like flat colour, in varied sizes and aspect ratios.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -34,8 +35,10 @@ def make_image_folder(
     size: tuple[int, int] = (160, 320),
     seed: int = 0,
     quality: int = 90,
+    progress: Callable[[int, int], None] | None = None,
 ) -> Path:
-    """Write ``classes * per_class`` JPEGs as root/class_XX/img_XXXX.jpg (skips files that exist)."""
+    """Write ``classes * per_class`` JPEGs as root/class_XX/img_XXXX.jpg (skips files that exist);
+    ``progress(done, total)`` after each image."""
     root = Path(root)
     rng = np.random.default_rng(seed)
     for c in range(classes):
@@ -49,4 +52,6 @@ def make_image_folder(
                 tmp = path.with_suffix(".tmp")
                 make_image(np.random.default_rng(image_seed), w, h).save(tmp, "JPEG", quality=quality)
                 os.replace(tmp, path)
+            if progress is not None:
+                progress(c * per_class + i + 1, classes * per_class)
     return root

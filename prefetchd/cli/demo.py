@@ -7,6 +7,7 @@ loop waited for data, and stops the daemon.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -35,6 +36,7 @@ DEMO_CLASSES = 10
 
 
 DEMO_BATCH = 32  # or all the images, when there are fewer
+_PROGRESS_EVERY_S = 2.0  # a progress line this often when the output is not a terminal
 
 
 def demo_images(images: int) -> int:
@@ -49,10 +51,26 @@ def demo_folder(images: int) -> Path:
     return cache / f"demo-data-{images}"
 
 
-def demo_data(images: int) -> Path:
-    """The demo's ImageFolder of ``images`` JPEGs (demo_images), generated on first use."""
+def demo_data(images: int, console: Console | None = None) -> Path:
+    """The demo's ImageFolder of ``images`` JPEGs (demo_images), generated on first use, with
+    its progress on ``console`` (a bar on a terminal, a line every few seconds elsewhere)."""
     folder = demo_folder(images)
-    return make_image_folder(folder, classes=DEMO_CLASSES, per_class=images // DEMO_CLASSES, size=(240, 480))
+    make = functools.partial(make_image_folder, folder, DEMO_CLASSES, images // DEMO_CLASSES, (240, 480))
+    if console is None or (folder.is_dir() and sum(1 for _ in folder.rglob("*.jpg")) >= images):
+        return make()
+    console.print(f"generating {images} JPEGs in {folder} (once: later demos reuse them)", highlight=False)
+    if console.is_terminal:
+        with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), console=console) as bar:
+            task = bar.add_task("", total=images)
+            return make(progress=lambda done, total: bar.update(task, completed=done))
+    last = [time.monotonic()]
+
+    def line(done: int, total: int) -> None:
+        if time.monotonic() - last[0] >= _PROGRESS_EVERY_S or done == total:
+            last[0] = time.monotonic()
+            console.print(f"generated {done} of {total} JPEGs", highlight=False)
+
+    return make(progress=line)
 
 
 def _train_step_factory():
@@ -101,15 +119,22 @@ def run_demo(*, images: int, epochs: int, workers: int | None, buffer: str, root
     cfg = build_config(raw, base=Path.cwd(), default_name="demo", overrides=overrides)
     # Made once the flags are read: a bad one (--buffer abc) left an empty folder in /dev/shm,
     # and generated the JPEGs (seconds) before saying so.
-    data = demo_data(images)
+    data = demo_data(images, console)
+    root = root or os.environ.get("PREFETCHD_ROOT") or None  # the user's: the job goes, the root stays
     own_root = root is None
     root = Path(tempfile.mkdtemp(prefix="prefetchd-demo-", dir="/dev/shm")) if own_root else Path(root)
     paths = JobPaths.of(cfg.name, root)
-    console.print(f"data: {images} JPEGs in {data}; starting job {cfg.name} with {cfg.workers} worker(s) under {root}")
+    console.print(
+        f"data: {images} JPEGs in {data}; starting job {cfg.name} with {cfg.workers} worker(s) under {root} "
+        "(indexing, booting the workers)...",
+        highlight=False,
+    )
     started = False
     try:
+        began = time.perf_counter()
         start_detached(cfg, paths)
         started = True
+        console.print(f"job {cfg.name} serving after {time.perf_counter() - began:.1f} s; loading the model...")
         loader = PrefetchLoader(cfg.name, root=root, rank=0, world_size=1, timeout=60)
         train_step = _train_step_factory()
         waited, seen, loss = 0.0, 0, float("nan")
