@@ -182,12 +182,24 @@ def fit_layout(job: Job, fields: list[FieldSpec]) -> tuple[BatchLayout, int]:
     stats = os.statvfs(job.paths.dir)
     free = stats.f_bavail * stats.f_frsize
     if cfg.buffer_bytes > free:
+        where = (
+            "mount a tmpfs of --buffer + a few percent shared with the trainers' containers at the same path, "
+            "and point PREFETCHD_ROOT there in both (docker/compose.yaml: a container's own /dev/shm is 64 MB, "
+            "and not shared)"
+            if in_a_container()
+            else "a tmpfs of its own (docs/operations.md, \"Deploying\")"
+        )
         raise ConfigError(
             f"--buffer {format_size(cfg.buffer_bytes)} exceeds the {format_size(free)} free on the "
-            f"filesystem of {job.paths.dir.parent}; use a smaller --buffer, another --root, or give the "
-            "container more shared memory (Docker's /dev/shm is 64 MB unless run with --shm-size=32g)"
+            f"filesystem of {job.paths.dir.parent}; use a smaller --buffer, or another --root: {where}"
         )
     return layout, capacity
+
+
+def in_a_container() -> bool:
+    """Whether this process runs in a container (Docker, Podman, a Kubernetes pod): what advice fits."""
+    markers = ("/.dockerenv", "/run/.containerenv")
+    return any(os.path.exists(m) for m in markers) or "KUBERNETES_SERVICE_HOST" in os.environ
 
 
 def write_manifest(job: Job, layout: BatchLayout, *, window: int, endpoint: str, curve_public_key, started_at) -> None:

@@ -20,6 +20,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,7 @@ pytestmark = pytest.mark.timeout(120)
 
 DOCKER = REPO / "docker"
 IMAGE_CONFIG = "/etc/prefetchd/job.toml"  # where the kit mounts a job's config
-JOB = "imagenet"  # the job the kit's probes ask about: configs/imagenet.toml's
+JOB = "imagenet"  # the job the kit serves: configs/imagenet.toml's (its probes ask about the root's one job)
 
 
 # -- reading the files --------------------------------------------------------------------
@@ -141,7 +142,13 @@ def test_the_dockerfile_builds_a_slim_non_root_image_without_torch(tmp_path):
     uid, gid = (args.get(v.strip("${}"), v) for v in user.split(":"))
     assert int(uid) > 0 and int(gid) > 0, f"USER {user} is root"
     runs = " ".join(rest for k, rest in instructions if k == "RUN")
-    assert '--uid "${UID}"' in runs and "pip install" in runs and './client ".[metrics]"' in runs
+    assert '--uid "${UID}"' in runs and "pip install" in runs and './client ".[${EXTRAS}]"' in runs
+    # the extras a build argument: each one the README names, Parquet and object storage among them
+    assert args["EXTRAS"] == "metrics"
+    comment = (DOCKER / "Dockerfile").read_text()
+    extras = re.search(r"--build-arg EXTRAS=(\S+)", comment)[1].split(",")
+    optional = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert {"parquet", "cloud"} <= set(extras) <= set(optional)
     assert "torch" not in runs.lower(), "the daemon never imports torch: the image must not install it"
     entrypoint = docker_exec_form("ENTRYPOINT")
     assert entrypoint[:2] == ["prefetchd", "start"] and "--foreground" in entrypoint
@@ -246,7 +253,7 @@ def test_compose_shares_one_sized_tmpfs_between_the_daemon_and_the_trainer():
         assert root.startswith(mount["target"] + "/") and root == docker_values("ENV")["PREFETCHD_ROOT"]
     assert targets[0] == targets[1]
     assert trainer["depends_on"]["prefetchd"]["condition"] == "service_healthy"
-    assert daemon["command"][0] == IMAGE_CONFIG and JOB in daemon["healthcheck"]["test"][1]
+    assert daemon["command"][0] == IMAGE_CONFIG and JOB not in daemon["healthcheck"]["test"][1]  # the config names it
 
 
 def test_kubernetes_runs_the_daemon_as_a_native_sidecar_on_a_memory_empty_dir():
@@ -272,7 +279,9 @@ def test_kubernetes_runs_the_daemon_as_a_native_sidecar_on_a_memory_empty_dir():
     assert k8s_size(daemon["resources"]["limits"]["memory"]) > buffer_flag(daemon["args"]), "pages count here"
     assert daemon["args"][0] == IMAGE_CONFIG and daemon["image"] == "prefetchd:latest"
     assert spec["initContainers"].index(daemon) > 0, "the chmod of the emptyDir runs before the daemon"
-    assert JOB in probe_command(spec, "startupProbe")[-1] and daemon["startupProbe"]["failureThreshold"] > 1
+    assert daemon["startupProbe"]["failureThreshold"] > 1
+    for probe in ("startupProbe", "livenessProbe"):  # the job's name is the config's alone (issue 27)
+        assert JOB not in probe_command(spec, probe)[-1]
 
 
 # -- the systemd unit ---------------------------------------------------------------------
