@@ -106,7 +106,9 @@ class Plan:
 
     @classmethod
     def from_json(cls, d: dict) -> Plan:
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+        """A plan from to_json's dict; one without ``order`` was written before order 2 (order 1),
+        and is refused as such (__post_init__), not read as this order."""
+        return cls(**{"order": 1} | {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
     @property
     def global_batch(self) -> int:

@@ -10,9 +10,15 @@ its old entries are never read for it (each read checks the member's own tar hea
   writable by nobody else, under folders only root or this user can change; made 0700 if
   missing. Anything else: the cache is not used (logged once) and every read goes to the store.
 - An entry is read only if it is a regular file of this user's that nobody else can write, of
-  exactly the range's length; written 0600 under a new name and renamed into place.
+  exactly the range's length; written 0600 under a new name and linked into place (where two
+  workers read one range at once, the first entry stays and the second's bytes are not
+  counted). Only names the cache makes are entries: a folder (a disk's lost+found) or a file of
+  anyone else's in the folder is neither counted nor removed.
 - The bound holds across the workers of a node: ``<cache>/.bytes`` holds the bytes the entries
-  take, read and changed under an ``flock``. An entry that would pass the bound makes room
+  take, read and changed under an ``flock``; a ledger that is new or not a count, and each
+  eviction's scan, count the entries afresh (so do entries being written; a reservation not
+  yet a file is not, so the bound may be passed by the few entries being written at that
+  moment). An entry that would pass the bound makes room
   first, by the plan's next use (``next_use``: where in the plan, counted in samples across
   epochs, the sample is needed next): the entries needed last go first, as Belady's optimal
   rule has it, and only those needed later than the new one (else it is not written). The
@@ -31,6 +37,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import secrets
 import stat
 import time
@@ -132,9 +139,15 @@ class MemberCache:
                 f.write(data)
                 f.flush()  # before the mtime is set: a write after it would set it to now
                 os.utime(f.fileno(), ns=(next_use, next_use))
-            os.replace(tmp, name, src_dir_fd=self._fd, dst_dir_fd=self._fd)
+            # A link, not a rename: where another worker wrote the same range meanwhile, its entry
+            # stays and this one's reservation is given back (a rename would count it twice).
+            os.link(tmp, name, src_dir_fd=self._fd, dst_dir_fd=self._fd)
+        except FileExistsError:
+            self._release(len(data))
         except OSError as exc:
             log.info("member cache entry not written: %s", exc)
+            self._release(len(data))
+        finally:
             with contextlib.suppress(OSError):
                 os.unlink(tmp, dir_fd=self._fd)
 
@@ -146,51 +159,95 @@ class MemberCache:
     def _reserve(self, size: int, next_use: int, now: int) -> bool:
         """Count ``size`` more bytes in the ledger (under its flock), making room if the bound
         needs it by evicting the entries needed after ``next_use`` (or before ``now``), the last first."""
+        with self._ledger() as ledger:
+            if ledger is None:
+                return False
+            used = ledger.used
+            if used + size > self.bound:
+                used = self._evict(used + size - self.bound + int(_ROOM * self.bound), next_use, now)
+            if used + size > self.bound:
+                ledger.write(used)
+                return False
+            ledger.write(used + size)
+            return True
+
+    def _release(self, size: int) -> None:
+        """Give back a reservation whose entry was not written."""
+        with self._ledger() as ledger:
+            if ledger is not None:
+                ledger.write(max(ledger.used - size, 0))
+
+    @contextlib.contextmanager
+    def _ledger(self):
+        """The ledger, held under its flock: None where it cannot be used (the cache then takes
+        nothing new). A ledger that is new or not a count is counted afresh from the entries."""
         try:
             fd = os.open(_LEDGER, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._fd)
         except OSError:
-            return False
+            yield None
+            return
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             st = os.fstat(fd)
             if not (stat.S_ISREG(st.st_mode) and is_private(st)) or st.st_size > 64:
-                return False
+                yield None
+                return
             text = os.pread(fd, 64, 0).strip()
-            used = int(text) if text.isdigit() else 0
-            if used + size > self.bound:
-                used = self._evict(used, used + size - self.bound + int(_ROOM * self.bound), next_use, now)
-            if used + size > self.bound:
-                os.pwrite(fd, str(used).encode().ljust(20), 0)
-                return False
-            os.pwrite(fd, str(used + size).encode().ljust(20), 0)
-            return True
+            yield _Ledger(fd, int(text) if text.isdigit() else sum(size for _, size, _ in self._entries()))
         except OSError:
-            return False
+            yield None
         finally:
             os.close(fd)
 
-    def _evict(self, used: int, wanted: int, next_use: int, now: int) -> int:
-        """Remove entries needed after ``next_use``, the last needed first (those whose next use
-        is already past ``now`` before all), until ``wanted`` bytes are free or none is left
-        that is needed later; the bytes used then."""
-        later = []
+    def _entries(self) -> list[tuple[int, int, str]]:
+        """(mark, bytes, name) of each entry, and of each being written (mark 0, never evicted
+        by name: its writer removes it): only names this cache makes, regular files, so a folder
+        or a file of another's in the folder is neither counted nor removed."""
+        found = []
         with os.scandir(self._fd) as entries:
             for entry in entries:
-                if entry.name.startswith("."):  # the ledger, and entries being written
+                writing = _WRITING.fullmatch(entry.name)
+                if not (writing or _ENTRY.fullmatch(entry.name)):
                     continue
                 with contextlib.suppress(OSError):
                     st = entry.stat(follow_symlinks=False)
-                    mark = NEVER + 1 if st.st_mtime_ns < now else st.st_mtime_ns
-                    if mark > next_use:
-                        later.append((mark, st.st_size, entry.name))
+                    if stat.S_ISREG(st.st_mode):
+                        found.append((0 if writing else st.st_mtime_ns, st.st_size, "" if writing else entry.name))
+        return found
+
+    def _evict(self, wanted: int, next_use: int, now: int) -> int:
+        """Remove entries needed after ``next_use``, the last needed first (those whose next use
+        is already past ``now`` before all), until ``wanted`` bytes are free or none is left
+        that is needed later; the bytes the entries take then (counted, so a ledger that drifted
+        from them is set right)."""
+        found = self._entries()
+        held = sum(size for _, size, _ in found)
+        later = []
+        for mark, size, name in found:
+            mark = NEVER + 1 if name and mark < now else mark
+            if name and mark > next_use:
+                later.append((mark, size, name))
         freed = 0
         for _, size, name in sorted(later, reverse=True):
             if freed >= wanted:
                 break
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(OSError):
                 os.unlink(name, dir_fd=self._fd)
                 freed += size
-        return max(used - freed, 0)
+        return held - freed
+
+
+class _Ledger:
+    def __init__(self, fd: int, used: int):
+        self.fd, self.used = fd, used
+
+    def write(self, used: int) -> None:
+        os.pwrite(self.fd, str(used).encode().ljust(20), 0)
+        self.used = used
+
+
+_ENTRY = re.compile(r"[0-9a-f]{40}")  # _name's
+_WRITING = re.compile(r"\.[0-9a-f]{40}\.\d+\.[0-9a-f]{8}\.tmp")  # put's
 
 
 def _name(url: str, identity: list, start: int, end: int) -> str:

@@ -17,6 +17,15 @@ def held(folder: Path) -> dict[int, int]:
     return {p.read_bytes()[0]: p.stat().st_mtime_ns for p in folder.iterdir() if not p.name.startswith(".")}
 
 
+def held_entries(folder: Path) -> dict[int, int]:
+    """held(), of the cache's own entries only (names of 40 hex digits)."""
+    return {
+        p.read_bytes()[0]: p.stat().st_mtime_ns
+        for p in folder.iterdir()
+        if len(p.name) == 40 and all(c in "0123456789abcdef" for c in p.name)
+    }
+
+
 def ledger(folder: Path) -> int:
     return int((folder / ".bytes").read_text())
 
@@ -64,3 +73,36 @@ def test_an_entry_whose_next_use_has_passed_goes_first(tmp_path):
     put(cache, 3, 450)
     cache.put(URL, IDENTITY, 2 * SIZE, 3 * SIZE, bytes([2]) * SIZE, next_use=400, now=100)
     assert held(folder) == {2: 400, 3: 450}  # the passed one first, then the one needed last
+
+
+def test_a_folder_or_a_file_not_of_the_cache_is_neither_counted_nor_removed(tmp_path):
+    """A cache on a disk of its own has lost+found: eviction stopped for good on it (unlink of a
+    folder), and a file of someone else's was removed and subtracted from a ledger that never
+    counted it."""
+    folder = tmp_path / "mc"
+    cache = MemberCache(str(folder), bound=3 * SIZE)
+    (folder / "lost+found").mkdir()
+    (folder / "notes.txt").write_bytes(b"x" * 50_000)
+    for n, use in enumerate([10, 20, 30]):
+        put(cache, n, use)
+    put(cache, 3, 5)  # needed first: room is made (30, then 20 for some room ahead)
+    assert held_entries(folder) == {0: 10, 3: 5} and ledger(folder) == 2 * SIZE
+    assert (folder / "lost+found").is_dir() and (folder / "notes.txt").stat().st_size == 50_000
+
+
+def test_two_workers_writing_one_range_count_it_once(tmp_path):
+    folder = tmp_path / "mc"
+    first, second = MemberCache(str(folder), bound=10 * SIZE), MemberCache(str(folder), bound=10 * SIZE)
+    put(first, 0, 5)
+    put(second, 0, 5)  # missed by both, read by both: one entry, counted once
+    assert held_entries(folder) == {0: 5} and ledger(folder) == SIZE
+
+
+def test_a_ledger_that_is_not_a_count_is_counted_afresh_from_the_entries(tmp_path):
+    folder = tmp_path / "mc"
+    cache = MemberCache(str(folder), bound=3 * SIZE)
+    for n in range(3):
+        put(cache, n, 10 + n)
+    (folder / ".bytes").write_text("-99999999")  # or gone: the entries would grow past the bound
+    put(cache, 3, 1)
+    assert held_entries(folder) == {0: 10, 3: 1} and ledger(folder) == 2 * SIZE
