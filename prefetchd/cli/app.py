@@ -18,7 +18,7 @@ from rich.markup import escape
 
 from prefetchd import control, settings
 from prefetchd.cli.summary import start_summary
-from prefetchd.cli.terminal import bounded, err, literal, out
+from prefetchd.cli.terminal import bounded, err, literal, out, progress
 from prefetchd.errors import DaemonStop, ExitCode, JobError, UserError, describe, error_from_json
 from prefetchd_client.errors import AuthError, UnsafeFolder
 from prefetchd_client.folders import OpenJob, open_job, open_private_dir
@@ -359,8 +359,6 @@ def pack(
     ] = "600",
 ) -> None:
     """Write the data as WebDataset tar shards (<key>.jpg + <key>.cls) in id order, with pack.json."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
     from prefetchd.cli import pack as packing
 
     try:
@@ -371,13 +369,8 @@ def pack(
             workers if workers is not None else len(os.sched_getaffinity(0)),
             mode,
         )
-        with Progress(
-            TextColumn("packing"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), console=err
-        ) as bar:
-            task = bar.add_task("pack", total=None)
-            manifest = packing.pack(
-                source, out_dir, opts, progress=lambda done, total: bar.update(task, completed=done, total=total)
-            )
+        with progress(err, "packing") as report:
+            manifest = packing.pack(source, out_dir, opts, progress=report)
     except UserError as exc:
         raise _fail(exc) from None
     except Exception as exc:  # noqa: BLE001 - a bug or the unforeseen: one line (pack removes what it wrote)

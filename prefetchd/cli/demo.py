@@ -20,6 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from prefetchd import control
 from prefetchd.cli.datagen import make_image_folder
 from prefetchd.cli.launch import start_detached, stop_job
+from prefetchd.cli.terminal import progress
 from prefetchd.config import build_config
 from prefetchd.errors import ConfigError
 from prefetchd.sizes import format_size
@@ -36,7 +37,6 @@ DEMO_CLASSES = 10
 
 
 DEMO_BATCH = 32  # or all the images, when there are fewer
-_PROGRESS_EVERY_S = 2.0  # a progress line this often when the output is not a terminal
 
 
 def demo_images(images: int) -> int:
@@ -59,18 +59,8 @@ def demo_data(images: int, console: Console | None = None) -> Path:
     if console is None or (folder.is_dir() and sum(1 for _ in folder.rglob("*.jpg")) >= images):
         return make()
     console.print(f"generating {images} JPEGs in {folder} (once: later demos reuse them)", highlight=False)
-    if console.is_terminal:
-        with Progress(TextColumn("generating"), BarColumn(), MofNCompleteColumn(), console=console) as bar:
-            task = bar.add_task("", total=images)
-            return make(progress=lambda done, total: bar.update(task, completed=done))
-    last = [time.monotonic()]
-
-    def line(done: int, total: int) -> None:
-        if time.monotonic() - last[0] >= _PROGRESS_EVERY_S or done == total:
-            last[0] = time.monotonic()
-            console.print(f"generated {done} of {total} JPEGs", highlight=False)
-
-    return make(progress=line)
+    with progress(console, "generated JPEGs") as report:
+        return make(progress=report)
 
 
 def _train_step_factory():

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 
 from rich.console import Console
 from rich.markup import escape
@@ -58,3 +59,29 @@ def bounded(message: str) -> str:
     cut = " [... cut here] "
     head = printable(message[:-_TAIL_CHARS], MAX_MESSAGE_CHARS - 10 * _TAIL_CHARS - len(cut) - 3)
     return head + cut + printable(message[-_TAIL_CHARS:])
+
+
+PROGRESS_EVERY_S = 2.0  # a progress line this often when the output is not a terminal
+
+
+@contextlib.contextmanager
+def progress(console: Console, what: str):
+    """A ``report(done, total)`` for a long step: a bar on a terminal; elsewhere (a pipe, a log
+    file) a line every PROGRESS_EVERY_S and at the end, where rich would show nothing until then."""
+    if console.is_terminal:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        columns = (TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+        with Progress(*columns, console=console) as bar:
+            task = bar.add_task(what, total=None)
+            yield lambda done, total: bar.update(task, completed=done, total=total)
+        return
+    last = [0.0]
+
+    def line(done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - last[0] >= PROGRESS_EVERY_S or done == total:
+            last[0] = now
+            console.print(f"{what}: {done} of {total}", highlight=False)
+
+    yield line

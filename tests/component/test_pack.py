@@ -61,6 +61,12 @@ def assert_clean_failure(result, code: ExitCode, *phrases: str) -> None:
         assert phrase in result.stderr, result.stderr
 
 
+def test_pack_into_a_pipe_says_how_far_it_is(folder, tmp_path):
+    """issue 27: rich's bar shows nothing until the end where stderr is not a terminal."""
+    result = pack(folder, tmp_path / "out")
+    assert result.returncode == 0 and "packing: 30 of 30" in result.stderr, result.stderr
+
+
 def test_webdataset_reads_every_sample_in_id_order_with_its_label(folder, tmp_path):
     manifest = packed(folder, tmp_path / "out")
     index = scan_image_folder(str(folder), "test")

@@ -128,7 +128,7 @@ def test_a_demo_on_an_empty_cache_shows_its_progress_at_once_and_runs_under_pref
     first_s = time.monotonic() - started
     rest, err = demo.communicate(timeout=110)
     assert demo.returncode == 0, err
-    assert first.startswith("generating 60 JPEGs in ") and "generated 60 of 60 JPEGs" in rest, first + rest
+    assert first.startswith("generating 60 JPEGs in ") and "generated JPEGs: 60 of 60" in rest, first + rest
     assert f"under {job_root} " in rest and "serving after " in rest and "images/s" in rest, rest
     assert list(job_root.iterdir()) == [] and job_root.is_dir()  # the job gone, the user's root kept
     print(f"\n[figure] demo: first line after {first_s:.2f} s (the command's imports included)")
