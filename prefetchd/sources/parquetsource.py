@@ -28,7 +28,7 @@ import numpy as np
 from prefetchd import stopsignals
 from prefetchd.errors import ConfigError, DataError
 from prefetchd.sources import objects
-from prefetchd.sources.index import NO_LABEL, SampleIndex
+from prefetchd.sources.index import NO_LABEL, IndexingProgress, SampleIndex
 from prefetchd.sources.objectfile import ObjectFile
 from prefetchd.sources.parquetpages import column_leaf
 from prefetchd.sources.places import PARQUET_ROW
@@ -182,8 +182,10 @@ def _scan_files(paths: list[str], src: dict, where: str, store: objects.Objects 
     image_column, label_column = src["image_column"], src["label_column"]
     files, counts, members, labels = [], [], [], []
     found: dict[str, list] = {}
+    progress = IndexingProgress(len(paths), where, "Parquet files")
     for path in paths:
         stopsignals.check_starting()  # a stop during a long indexing need not wait for its end
+        progress.done_one()
         what = f"{where}: {shown(path)}"
         if store is not None and objects.is_url(path):
             try:
@@ -264,7 +266,7 @@ def _scan_file(
         raise DataError(_no_images(what, image_column, _images_in(pa, image_type)[1], len(column)))
     if missing:
         log.warning("%s: %d of its %d rows have no image in %r: bad samples", what, missing, len(column), image_column)
-    return groups, _labels(column, groups, what)
+    return groups, _labels(column, groups, what, label_column)
 
 
 def _null_count(meta, leaf: int) -> int | None:
@@ -338,8 +340,13 @@ def image_leaf(pa, pf, column: str) -> int | None:
     return column_leaf(pa, pf, column, child) if holds else None
 
 
-def _labels(column, groups: np.ndarray, what: str) -> np.ndarray:
+def _labels(column, groups: np.ndarray, what: str, name: str) -> np.ndarray:
     nulls = column.is_null().to_numpy(zero_copy_only=False)
+    if len(nulls) and nulls.all():  # every row a bad sample: the daemon would stop in its first second
+        raise DataError(
+            f"{what}: label_column {name!r} is null in all its {len(nulls)} rows; set label_column to "
+            "the column of class indices"
+        )
     values = column.fill_null(0).to_numpy()
     bad = np.flatnonzero(values < 0) if values.dtype.kind == "i" else np.flatnonzero(values > np.iinfo(np.int64).max)
     if len(bad):

@@ -25,8 +25,6 @@ import os
 import re
 import stat
 import tarfile
-import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
@@ -37,7 +35,7 @@ from prefetchd import stopsignals
 from prefetchd.errors import ConfigError, DataError
 from prefetchd.sizes import parse_size
 from prefetchd.sources import objects
-from prefetchd.sources.index import SampleIndex, open_data_file
+from prefetchd.sources.index import IndexingProgress, SampleIndex, open_data_file
 from prefetchd.sources.objectfile import ObjectFile
 from prefetchd.sources.places import TAR_MEMBER
 from prefetchd.sources.shardcache import (
@@ -61,7 +59,6 @@ _INDEX_MAGIC = int.from_bytes(b"pfd-idx", "little")
 _INDEX_VERSION = 2  # 2: the shard's MD5 in row 1
 _MAX_INDEX_OBJECT_BYTES = 1 << 30  # 44 M samples' rows: no shard holds that many
 _INDEXING_THREADS = 8  # shards in a store indexed at once: each waits on the network more than on the CPU
-_PROGRESS_EVERY_S = 5.0
 _RANGE = re.compile(r"\{(-?\d+)\.\.(-?\d+)(?:\.\.(-?\d+))?\}")
 
 
@@ -120,7 +117,7 @@ def webdataset_parts(src: dict, where: str) -> Iterator[SampleIndex]:
         shards.append(shard)
     if not shards:
         raise DataError(f"{where}: urls names no shard")
-    progress = _Progress(len(shards), where)
+    progress = IndexingProgress(len(shards), where, "shards")
     store = objects.Objects() if any(objects.is_url(shard) for shard in shards) else None
     down: set[str] = set()  # stores that do not answer
     remembered: list[str] = []  # shards served with the last start's index, their store not answering
@@ -220,24 +217,6 @@ def _check_cache(src: dict, where: str) -> None:
         parse_size(size)
     except ValueError as exc:
         raise ConfigError(f"{where}: cache_size: {exc}") from None
-
-
-class _Progress:
-    """Indexing progress as log lines, one every _PROGRESS_EVERY_S while it lasts (the daemon's
-    log, which `start` shows on a terminal as it waits)."""
-
-    def __init__(self, total: int, where: str):
-        self.total, self.where, self.done = total, where, 0
-        self._lock = threading.Lock()
-        self._started = self._last = time.monotonic()
-
-    def done_one(self) -> None:
-        with self._lock:
-            self.done += 1
-            now = time.monotonic()
-            if now - self._last >= _PROGRESS_EVERY_S and self.done < self.total:
-                self._last = now
-                log.info("%s: indexed %d of %d shards (%.0f s)", self.where, self.done, self.total, now - self._started)
 
 
 def _shard_index(shard: str, label_key: str | None, where: str) -> np.ndarray:

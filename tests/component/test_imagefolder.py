@@ -179,3 +179,19 @@ def test_file_list_that_is_not_utf8_is_a_data_error_naming_the_line(tmp_path):
     listing.write_bytes(b"a.jpg,0\n" + os.fsencode(f"{NON_UTF8},1\n"))
     with pytest.raises(DataError, match=r"train.txt:2: file lists must be UTF-8 text.*0xff.*image_folder"):
         read_file_list(str(listing), "[[source]] #1")
+
+
+def test_a_large_folder_says_how_far_its_indexing_is(tmp_path, monkeypatch, caplog):
+    """issue 27: a start's indexing of a large folder shows progress (lines `start` echoes)."""
+    import logging
+
+    from prefetchd.sources import index
+
+    monkeypatch.setattr(index, "PROGRESS_EVERY_S", 0.0)  # a line per class folder, as a long scan gets one per 5 s
+    for c in range(3):
+        (tmp_path / f"c{c}").mkdir()
+        (tmp_path / f"c{c}" / "a.jpg").write_bytes(b"x")
+    with caplog.at_level(logging.INFO, logger="prefetchd"):
+        scan_image_folder(str(tmp_path), "[[source]] #1 (image_folder)")
+    lines = [r.getMessage() for r in caplog.records if ": indexed " in r.getMessage()]
+    assert lines == [f"[[source]] #1 (image_folder): indexed {n} of 3 class folders (0 s)" for n in (1, 2)]

@@ -235,6 +235,7 @@ def test_a_few_null_images_among_good_rows_are_recorded_each_with_its_cause(tmp_
     "case",
     [
         pytest.param("hf-paths-only", id="hf-parquet-of-paths"),
+        pytest.param("null-labels", id="parquet-without-labels"),
         pytest.param("json-labels", id="shards-labelled-by-json"),
         pytest.param("no-labels", id="shards-without-labels"),
         pytest.param("wrong-label-key", id="shards-with-another-label-key"),
@@ -247,6 +248,10 @@ def test_data_whose_every_sample_would_be_bad_fails_start_with_the_fix(tmp_path,
     if case == "hf-paths-only":  # Dataset.from_dict({"image": paths}).cast_column("image", Image()).to_parquet()
         data = hf_parquet(tmp_path / "train.parquet", [None] * len(images))
         source, fix = f'kind = "parquet"\npath = "{data}"', "embed_table_storage"
+    elif case == "null-labels":
+        data = tmp_path / "train.parquet"
+        pq.write_table(pa.table({"image": pa.array(images), "label": pa.array([None] * 12, pa.int64())}), data)
+        source, fix = f'kind = "parquet"\npath = "{data}"', "set label_column"
     else:
         label = {"json-labels": "json", "no-labels": "txt", "wrong-label-key": "json"}[case]
         samples = [{"jpg": image, label: json.dumps({"label": i % 2}).encode()} for i, image in enumerate(images)]
