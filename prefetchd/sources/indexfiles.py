@@ -17,6 +17,7 @@ import json
 import os
 import stat
 import struct
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +29,14 @@ from prefetchd.sources.places import FILE
 # ``members`` (where in the container), and ``starts``, the first sample of each place.
 FILE_COLUMNS = ("paths.npy", "offsets.npy", "labels.npy")
 CONTAINER_COLUMNS = ("kinds.npy", "members.npy", "starts.npy")
+_LAYOUT = {  # each column's type and row width (0: one value a row)
+    "paths.npy": ("|u1", 0),
+    "offsets.npy": ("<i8", 0),
+    "labels.npy": ("<i8", 0),
+    "kinds.npy": ("|u1", 0),
+    "members.npy": ("<i8", 2),
+    "starts.npy": ("<i8", 0),
+}
 OBJECTS_FILE = "objects.json"  # {url: [size, etag, modified]}: each object in a store as indexed (sources.objects)
 HEADER_BYTES = 128  # room for an .npy header of any shape this index has, written last
 _DTYPES = {"<i8": "q", "|u1": "B"}  # the columns' types: int64 and uint8, as struct formats
@@ -98,7 +107,7 @@ class ColumnFile:
         return np.frombuffer(data, self.dtype).reshape((n, *self.shape[1:]))
 
 
-def column_chunks(column) -> object:
+def column_chunks(column) -> Iterator[bytes]:
     """A column's bytes in order, a chunk at a time: a ColumnFile's preads or an array's rows."""
     if isinstance(column, ColumnFile):
         yield from column.chunks()
@@ -152,9 +161,7 @@ class IndexWriter:
         folder.mkdir(mode=0o700, exist_ok=True)
         self.folder, self.samples, self.objects = folder, 0, {}
         self.max_label = -1  # the classes are 0..max_label, as far as the labels tell
-        self._columns: dict[str, ColumnWriter] = {}
-        for name, dtype, width in (("paths.npy", "|u1", 0), ("offsets.npy", "<i8", 0), ("labels.npy", "<i8", 0)):
-            self._columns[name] = ColumnWriter(folder / name, dtype, width)
+        self._columns = {name: ColumnWriter(folder / name, *_LAYOUT[name]) for name in FILE_COLUMNS}
         self._columns["offsets.npy"].append([0])
         self._path_bytes = 0
 
@@ -200,9 +207,8 @@ class IndexWriter:
 
     def _begin_containers(self) -> None:
         places = self._columns["offsets.npy"].rows - 1
-        kinds = self._columns["kinds.npy"] = ColumnWriter(self.folder / "kinds.npy", "|u1")
-        members = self._columns["members.npy"] = ColumnWriter(self.folder / "members.npy", "<i8", 2)
-        starts = self._columns["starts.npy"] = ColumnWriter(self.folder / "starts.npy", "<i8")
-        kinds.append_constant(FILE, self.samples)
-        members.append_constant(-1, self.samples)
-        starts.append(np.arange(places + 1, dtype=np.int64))  # the files before: one sample a place
+        for name in CONTAINER_COLUMNS:
+            self._columns[name] = ColumnWriter(self.folder / name, *_LAYOUT[name])
+        self._columns["kinds.npy"].append_constant(FILE, self.samples)
+        self._columns["members.npy"].append_constant(-1, self.samples)
+        self._columns["starts.npy"].append(np.arange(places + 1, dtype=np.int64))  # the files before: a place each
