@@ -25,6 +25,7 @@ from .layout import ROOT_ENV, JobPaths, default_root
 DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # NONBLOCK: a FIFO never blocks open()
 _WRITABLE_BY_OTHERS = 0o022
+POD_VOLUME_ENV = "PREFETCHD_POD_VOLUME"  # is_pod_volume
 
 
 def is_private(st: os.stat_result) -> bool:
@@ -96,12 +97,27 @@ def check_folders_above(path: Path, what: str, *, fix: str | None = None) -> Non
             continue  # not there (yet): whoever creates it is checked when it is used
         owner_ok = st.st_uid in (0, uid)
         open_to_others = stat.S_ISDIR(st.st_mode) and st.st_mode & _WRITABLE_BY_OTHERS and not st.st_mode & stat.S_ISVTX
+        if open_to_others and is_pod_volume(folder):
+            open_to_others = False
         if not owner_ok or open_to_others:
             who = f"uid {st.st_uid}" if not owner_ok else f"mode {stat.S_IMODE(st.st_mode):o}, not sticky"
             raise UnsafeFolder(
                 f"{what} {path} lies under {folder} ({who}), which another user can change: they could swap "
                 f"the {what} for their own after it is checked. {fix[:1].upper()}{fix[1:]}"
             )
+
+
+def is_pod_volume(folder: Path) -> bool:
+    """Whether ``folder`` is the mount point that $PREFETCHD_POD_VOLUME names: a Kubernetes
+    volume of the pod's own (an ``emptyDir``), which the kubelet makes 0777 and which no process
+    of a pod under the ``restricted`` Pod Security standard (no root) can make sticky. Only the
+    pod's containers reach it, so it stands as a folder nobody else can change, as that exact
+    mount point and nothing else: never set it for a hostPath volume, which others on the node
+    reach. Mode and owner of the folders above and below are checked as ever."""
+    named = os.environ.get(POD_VOLUME_ENV)
+    if not named or not os.path.isabs(named):
+        return False
+    return os.path.normpath(named) == os.path.normpath(os.path.abspath(folder)) and os.path.ismount(folder)
 
 
 @dataclass
@@ -192,7 +208,8 @@ def _open_folder_above(path: Path, what: str, dir_fd: int, fix: str | None) -> i
             f"{what}: {path} is not a folder (a symlink or a file); {fix or 'choose another folder'}"
         ) from None
     st = os.fstat(fd)
-    if st.st_uid not in (0, os.getuid()) or (st.st_mode & _WRITABLE_BY_OTHERS and not st.st_mode & stat.S_ISVTX):
+    open_to_others = st.st_mode & _WRITABLE_BY_OTHERS and not st.st_mode & stat.S_ISVTX and not is_pod_volume(path)
+    if st.st_uid not in (0, os.getuid()) or open_to_others:
         os.close(fd)
         raise UnsafeFolder(
             f"{what}: {path} (uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}) appeared while the folders "

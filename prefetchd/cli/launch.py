@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # annotations only: `stop` and `status` need no config (numpy
     from prefetchd.config import Config
 
 _PROGRESS_EVERY_S = 1.0  # how often a waiting start looks for progress lines in the daemon's log
-_PROGRESS_LINE = ": indexed "  # sources.index.IndexingProgress's lines
+_PROGRESS_LINE = ": indexed "  # sources.progress.IndexingProgress's lines
 _START_TIMEOUT_S = 600.0  # indexing a million files on a network filesystem takes a while
 _STOP_TIMEOUT_S = 15.0
 _CANCEL_WAIT_S = 20.0  # to leave its imports, or undo a start (pool.halt, the job folder); then it is killed

@@ -17,12 +17,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import stat
 import tempfile
-import threading
-import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,15 +39,13 @@ from prefetchd.sources.indexfiles import (
 )
 from prefetchd.sources.objects import ObjectInfo
 from prefetchd.sources.places import FILE
+from prefetchd.sources.progress import IndexingProgress
 
 # torchvision's ImageFolder extensions.
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 _MAX_OBJECTS_BYTES = 256 << 20
 _MAX_STARTS_BYTES = 1 << 30  # starts is read whole: a place per file of a folder, or a container's
 
-log = logging.getLogger(__name__)
-
-PROGRESS_EVERY_S = 5.0  # an indexing progress line this often
 NO_LABEL = -1  # a container sample without a label: a bad sample when it is read
 NEVER = 1 << 62  # the next use of a sample the plan does not place (a stand-in for a bad one)
 
@@ -188,25 +183,6 @@ def _load_objects(path: Path) -> dict[str, list] | None:
     for identity in objects.values():
         ObjectInfo.from_json(identity)  # ValueError or TypeError for anything else
     return objects
-
-
-class IndexingProgress:
-    """Indexing progress as log lines, one every PROGRESS_EVERY_S while it lasts (the daemon's
-    log, which `start` echoes as it waits: cli.launch looks for ": indexed "); thread-safe."""
-
-    def __init__(self, total: int, where: str, unit: str):
-        self.total, self.where, self.unit, self.done = total, where, unit, 0
-        self._lock = threading.Lock()
-        self._started = self._last = time.monotonic()
-
-    def done_one(self) -> None:
-        with self._lock:
-            self.done += 1
-            now = time.monotonic()
-            if now - self._last >= PROGRESS_EVERY_S and self.done < self.total:
-                self._last = now
-                elapsed = now - self._started
-                log.info("%s: indexed %d of %d %s (%.0f s)", self.where, self.done, self.total, self.unit, elapsed)
 
 
 def open_data_file(path: str) -> tuple[int, os.stat_result]:

@@ -28,10 +28,11 @@ import numpy as np
 from prefetchd import stopsignals
 from prefetchd.errors import ConfigError, DataError
 from prefetchd.sources import objects
-from prefetchd.sources.index import NO_LABEL, IndexingProgress, SampleIndex
+from prefetchd.sources.index import NO_LABEL, SampleIndex
 from prefetchd.sources.objectfile import ObjectFile
 from prefetchd.sources.parquetpages import column_leaf
 from prefetchd.sources.places import PARQUET_ROW
+from prefetchd.sources.progress import IndexingProgress
 
 log = logging.getLogger(__name__)
 

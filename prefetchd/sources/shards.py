@@ -35,9 +35,10 @@ from prefetchd import stopsignals
 from prefetchd.errors import ConfigError, DataError
 from prefetchd.sizes import parse_size
 from prefetchd.sources import objects
-from prefetchd.sources.index import IndexingProgress, SampleIndex, open_data_file
+from prefetchd.sources.index import SampleIndex, open_data_file
 from prefetchd.sources.objectfile import ObjectFile
 from prefetchd.sources.places import TAR_MEMBER
+from prefetchd.sources.progress import IndexingProgress
 from prefetchd.sources.shardcache import (
     _cache_file,
     _load_cached,

@@ -185,9 +185,9 @@ def test_a_large_folder_says_how_far_its_indexing_is(tmp_path, monkeypatch, capl
     """issue 27: a start's indexing of a large folder shows progress (lines `start` echoes)."""
     import logging
 
-    from prefetchd.sources import index
+    from prefetchd.sources import progress
 
-    monkeypatch.setattr(index, "PROGRESS_EVERY_S", 0.0)  # a line per class folder, as a long scan gets one per 5 s
+    monkeypatch.setattr(progress, "PROGRESS_EVERY_S", 0.0)  # a line per class folder, as a long scan gets one per 5 s
     for c in range(3):
         (tmp_path / f"c{c}").mkdir()
         (tmp_path / f"c{c}" / "a.jpg").write_bytes(b"x")

@@ -253,9 +253,9 @@ def test_indexing_progress_goes_to_the_log_and_a_waiting_start_shows_it(http_sha
     import logging
 
     from prefetchd.cli import launch
-    from prefetchd.sources import index
+    from prefetchd.sources import progress
 
-    monkeypatch.setattr(index, "PROGRESS_EVERY_S", 0.0)  # a line per shard, as a long indexing gets one per 5 s
+    monkeypatch.setattr(progress, "PROGRESS_EVERY_S", 0.0)  # a line per shard, as a long indexing gets one per 5 s
     log = tmp_path / "daemon.log"
     handler = logging.FileHandler(log)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s"))

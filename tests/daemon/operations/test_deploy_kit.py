@@ -131,6 +131,19 @@ def volume():
     shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.fixture
+def empty_dir(volume):
+    """A tmpfs mounted 0777 at ``volume``, as the kubelet makes a pod's emptyDir."""
+    mount = volume / "emptydir"
+    mount.mkdir()
+    command = ["mount", "-t", "tmpfs", "-o", "size=64m,mode=777", "tmpfs", str(mount)]
+    result = subprocess.run(command, capture_output=True)
+    if result.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
 # -- the Dockerfile -----------------------------------------------------------------------
 
 
@@ -187,22 +200,19 @@ def test_the_dockerfile_builds_a_slim_non_root_image_without_torch(tmp_path):
     assert sorted(p.name.split("-")[0] for p in wheels.iterdir()) == ["prefetchd", "prefetchd_client"]
 
 
-def test_the_image_command_serves_in_a_kubernetes_empty_dir_and_the_probes_see_it(tmp_path, jpeg_folder, volume):
-    """The pod's steps on this machine: an emptyDir as the kubelet makes it (0777), the init
-    container's chmod, then the image's ENTRYPOINT + CMD with the pod's environment; the startup
-    probe and compose's healthcheck pass while it serves and fail once it stopped."""
+def test_the_image_command_serves_in_a_kubernetes_empty_dir_and_the_probes_see_it(tmp_path, jpeg_folder, empty_dir):
+    """The pod's steps on this machine: an emptyDir as the kubelet makes it (a tmpfs mounted
+    0777), no init container, the image's ENTRYPOINT + CMD with the pod's environment; the
+    startup probe and compose's healthcheck pass while it serves and fail once it stopped."""
     spec = pod_spec()
-    mount = "/buffer"
-    volume.chmod(0o777)
-    (prepare,) = [c for c in spec["initContainers"] if c.get("restartPolicy") != "Always"]
-    assert [m["mountPath"] for m in prepare["volumeMounts"]] == [mount]
-    assert subprocess.run([a.replace(mount, str(volume)) for a in prepare["command"]], timeout=10).returncode == 0
+    mount, volume = "/buffer", empty_dir
+    assert [c["name"] for c in spec["initContainers"]] == ["prefetchd"]  # nothing runs before it, as root or not
 
     image_env = docker_values("ENV")
     pod_env = env_of(sidecar(spec))
-    assert pod_env["PREFETCHD_ROOT"] == image_env["PREFETCHD_ROOT"]
+    assert pod_env["PREFETCHD_ROOT"] == image_env["PREFETCHD_ROOT"] and pod_env["PREFETCHD_POD_VOLUME"] == mount
     env = {**image_env, **pod_env}
-    env = {k: v.replace(mount, str(volume), 1) if v.startswith(mount + "/") else v for k, v in env.items()}
+    env = {k: str(volume) + v[len(mount) :] if v == mount or v.startswith(mount + "/") else v for k, v in env.items()}
     config = write_config(tmp_path, jpeg_folder, name=JOB)
     paths = JobPaths(Path(env["PREFETCHD_ROOT"]) / JOB)
     healthcheck = compose()["services"]["prefetchd"]["healthcheck"]["test"]
@@ -278,10 +288,33 @@ def test_kubernetes_runs_the_daemon_as_a_native_sidecar_on_a_memory_empty_dir():
     assert k8s_size(empty["sizeLimit"]) >= buffer_flag(daemon["args"]) * 1.05
     assert k8s_size(daemon["resources"]["limits"]["memory"]) > buffer_flag(daemon["args"]), "pages count here"
     assert daemon["args"][0] == IMAGE_CONFIG and daemon["image"] == "prefetchd:latest"
-    assert spec["initContainers"].index(daemon) > 0, "the chmod of the emptyDir runs before the daemon"
+    assert env_of(daemon)["PREFETCHD_POD_VOLUME"] == env_of(trainer)["PREFETCHD_POD_VOLUME"] == mounts["prefetchd"][1]
     assert daemon["startupProbe"]["failureThreshold"] > 1
     for probe in ("startupProbe", "livenessProbe"):  # the job's name is the config's alone (issue 27)
         assert JOB not in probe_command(spec, probe)[-1]
+
+
+_PSS_VOLUMES = {  # the volume types `restricted` allows
+    *("configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret"),
+}
+
+
+def test_the_pod_passes_the_restricted_pod_security_standard():
+    """issue 27: its init container ran as root (to chmod the emptyDir), which `restricted` rejects.
+    The standard's rules (kubernetes.io/docs/concepts/security/pod-security-standards), each checked."""
+    spec = pod_spec()
+    pod = spec.get("securityContext", {})
+    assert not any(spec.get(k) for k in ("hostNetwork", "hostPID", "hostIPC"))
+    for volume in spec["volumes"]:
+        assert set(volume) - {"name"} <= _PSS_VOLUMES, volume
+    for container in spec["initContainers"] + spec["containers"]:
+        own = container.get("securityContext", {})
+        merged = {**pod, **own}
+        assert merged.get("runAsNonRoot") is True and merged.get("runAsUser", 1) != 0, container["name"]
+        assert own.get("allowPrivilegeEscalation") is False and not own.get("privileged"), container["name"]
+        assert own.get("capabilities", {}).get("drop") == ["ALL"], container["name"]
+        assert set(own.get("capabilities", {}).get("add", [])) <= {"NET_BIND_SERVICE"}, container["name"]
+        assert merged.get("seccompProfile", {}).get("type") in ("RuntimeDefault", "Localhost"), container["name"]
 
 
 # -- the systemd unit ---------------------------------------------------------------------
