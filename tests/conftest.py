@@ -44,18 +44,26 @@ def jpeg_folder(tmp_path_factory) -> Path:
     return make_image_folder(tmp_path_factory.mktemp("data") / "train", classes=4, per_class=12, size=(64, 160))
 
 
+@contextlib.contextmanager
+def mounted_tmpfs(mount: Path, options: str):
+    """A tmpfs mounted at the new folder ``mount`` (``mount -o options``) while the block runs;
+    the test is skipped where this machine cannot mount one."""
+    mount.mkdir()
+    command = ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path):
     """A 4 MiB tmpfs of its own: its statvfs counts every page the job holds, mapped or not."""
-    mount = tmp_path / "shm"
-    mount.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m,mode=700", "tmpfs", str(mount)], capture_output=True, text=True
-    )
-    if result.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    with mounted_tmpfs(tmp_path / "shm", "size=4m,mode=700") as mount:
+        yield mount
 
 
 @pytest.fixture

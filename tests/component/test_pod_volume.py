@@ -6,25 +6,17 @@ here, as the kubelet mounts one."""
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
 from prefetchd_client.errors import UnsafeFolder
 from prefetchd_client.folders import POD_VOLUME_ENV, check_folders_above, make_private_dir
+from tests.conftest import mounted_tmpfs
 
 
 @pytest.fixture
 def empty_dir(tmp_path):
-    mount = tmp_path / "buffer"
-    mount.mkdir()
-    result = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=4m,mode=777", "tmpfs", str(mount)], capture_output=True, text=True
-    )
-    if result.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    with mounted_tmpfs(tmp_path / "buffer", "size=4m,mode=777") as mount:  # as the kubelet mounts an emptyDir
+        yield mount
 
 
 def test_a_0777_volume_is_refused_unless_named_and_then_only_itself(empty_dir, monkeypatch):

@@ -28,7 +28,16 @@ import yaml
 
 from prefetchd.sizes import parse_size
 from prefetchd_client.layout import JobPaths
-from tests.conftest import JOB_ROOT_PREFIX, REPO, SHM, daemon_family, wait_pids_gone, wait_until, write_config
+from tests.conftest import (
+    JOB_ROOT_PREFIX,
+    REPO,
+    SHM,
+    daemon_family,
+    mounted_tmpfs,
+    wait_pids_gone,
+    wait_until,
+    write_config,
+)
 from tests.daemon.lifecycle.test_sdnotify import FakeManager, ForegroundDaemon
 
 pytestmark = pytest.mark.timeout(120)
@@ -133,15 +142,9 @@ def volume():
 
 @pytest.fixture
 def empty_dir(volume):
-    """A tmpfs mounted 0777 at ``volume``, as the kubelet makes a pod's emptyDir."""
-    mount = volume / "emptydir"
-    mount.mkdir()
-    command = ["mount", "-t", "tmpfs", "-o", "size=64m,mode=777", "tmpfs", str(mount)]
-    result = subprocess.run(command, capture_output=True)
-    if result.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {result.stderr.decode().strip()}")
-    yield mount
-    subprocess.run(["umount", "-l", str(mount)], check=False)
+    """A tmpfs mounted 0777 in ``volume``, as the kubelet makes a pod's emptyDir."""
+    with mounted_tmpfs(volume / "emptydir", "size=64m,mode=777") as mount:
+        yield mount
 
 
 # -- the Dockerfile -----------------------------------------------------------------------
