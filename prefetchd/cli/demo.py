@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from prefetchd import control
 from prefetchd.cli.datagen import make_image_folder
@@ -124,20 +123,14 @@ def run_demo(*, images: int, epochs: int, workers: int | None, buffer: str, root
         began = time.perf_counter()
         start_detached(cfg, paths)
         started = True
-        console.print(f"job {cfg.name} serving after {time.perf_counter() - began:.1f} s; loading the model...")
+        serving = f"job {cfg.name} serving after {time.perf_counter() - began:.1f} s; loading the model..."
+        console.print(serving, highlight=False)
         loader = PrefetchLoader(cfg.name, root=root, rank=0, world_size=1, timeout=60)
         train_step = _train_step_factory()
         waited, seen, loss = 0.0, 0, float("nan")
         start = time.perf_counter()
-        with Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TextColumn("{task.fields[info]}"),
-            console=console,
-        ) as bar:
-            task = bar.add_task("training", total=epochs * len(loader), info="")
+        with progress(console, "training") as report:
+            steps, total = 0, epochs * len(loader)
             for epoch in range(epochs):
                 batches = iter(loader)
                 while True:
@@ -148,7 +141,8 @@ def run_demo(*, images: int, epochs: int, workers: int | None, buffer: str, root
                         break
                     loss = train_step(batch)
                     seen += len(batch["label"])
-                    bar.update(task, advance=1, info=f"epoch {epoch} loss {loss:.3f}")
+                    steps += 1
+                    report(steps, total, f"epoch {epoch} loss {loss:.3f}")
         elapsed = time.perf_counter() - start
         status = control.request(paths.endpoint, {"op": "status"}) or {}
         loader.close()

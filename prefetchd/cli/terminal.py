@@ -66,22 +66,23 @@ PROGRESS_EVERY_S = 2.0  # a progress line this often when the output is not a te
 
 @contextlib.contextmanager
 def progress(console: Console, what: str):
-    """A ``report(done, total)`` for a long step: a bar on a terminal; elsewhere (a pipe, a log
-    file) a line every PROGRESS_EVERY_S and at the end, where rich would show nothing until then."""
+    """A ``report(done, total, info="")`` for a long step: a bar on a terminal; elsewhere (a pipe,
+    a log file) a line every PROGRESS_EVERY_S and at the end, where rich would show nothing until then."""
     if console.is_terminal:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        columns = (TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+        info = TextColumn("{task.fields[info]}")
+        columns = (TextColumn(what), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(), info)
         with Progress(*columns, console=console) as bar:
-            task = bar.add_task(what, total=None)
-            yield lambda done, total: bar.update(task, completed=done, total=total)
+            task = bar.add_task(what, total=None, info="")
+            yield lambda done, total, info="": bar.update(task, completed=done, total=total, info=info)
         return
     last = [0.0]
 
-    def line(done: int, total: int) -> None:
+    def line(done: int, total: int, info: str = "") -> None:
         now = time.monotonic()
         if now - last[0] >= PROGRESS_EVERY_S or done == total:
             last[0] = now
-            console.print(f"{what}: {done} of {total}", highlight=False)
+            console.print(f"{what}: {done} of {total}" + (f", {info}" if info else ""), highlight=False)
 
     yield line

@@ -130,6 +130,7 @@ def test_a_demo_on_an_empty_cache_shows_its_progress_at_once_and_runs_under_pref
     assert demo.returncode == 0, err
     assert first.startswith("generating 60 JPEGs in ") and "generated JPEGs: 60 of 60" in rest, first + rest
     assert f"under {job_root} " in rest and "serving after " in rest and "images/s" in rest, rest
+    assert "training: " in rest and " of " in rest and "loss " in rest, rest  # the loop too, as it goes
     assert list(job_root.iterdir()) == [] and job_root.is_dir()  # the job gone, the user's root kept
     print(f"\n[figure] demo: first line after {first_s:.2f} s (the command's imports included)")
     assert first_s < 10  # 2 s on a quiet machine; this bound catches a demo silent until its data is made
