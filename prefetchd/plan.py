@@ -175,11 +175,9 @@ class Plan:
         length = self.epoch_length
         positions = self._positions(step, rank) % length
         now = epoch * length + positions
-        if self.evaluation:
+        if self.evaluation or self.mixing:  # evaluation: a sample's position is the same every epoch
             return now, now + length
-        if self.mixing:
-            return now, now + length
-        ids = self.batch_samples(epoch, step, rank)[0]
+        ids = self._ids(epoch, positions)
         return now, (epoch + 1) * length + _unpermute(ids, _Network.of(self.num_samples, self.seed, epoch + 1))
 
     def batch_valid(self, step: int, rank: int) -> np.ndarray:

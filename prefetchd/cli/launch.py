@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 from prefetchd import control, stopsignals
 from prefetchd.errors import JobError, error_from_json
+from prefetchd.sources.progress import MARK as PROGRESS_MARK  # in the lines a long start echoes
 from prefetchd_client.errors import AuthError, UnsafeFolder
 from prefetchd_client.folders import OpenJob, open_job
 from prefetchd_client.layout import JobPaths
@@ -35,7 +36,6 @@ if TYPE_CHECKING:  # annotations only: `stop` and `status` need no config (numpy
     from prefetchd.config import Config
 
 _PROGRESS_EVERY_S = 1.0  # how often a waiting start looks for progress lines in the daemon's log
-_PROGRESS_LINE = ": indexed "  # sources.progress.IndexingProgress's lines
 _START_TIMEOUT_S = 600.0  # indexing a million files on a network filesystem takes a while
 _STOP_TIMEOUT_S = 15.0
 _CANCEL_WAIT_S = 20.0  # to leave its imports, or undo a start (pool.halt, the job folder); then it is killed
@@ -215,7 +215,7 @@ class _ProgressEcho:
         whole = data[: data.rfind(b"\n") + 1]
         self.offset += len(whole)
         for line in whole.decode("utf-8", "replace").splitlines():
-            if _PROGRESS_LINE in line:
+            if PROGRESS_MARK in line:
                 print(printable(line.partition(" INFO ")[2] or line), file=sys.stderr, flush=True)
 
 

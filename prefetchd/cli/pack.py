@@ -463,7 +463,7 @@ def pack(source: str, out_dir: Path, opts: PackOptions, progress=None) -> dict:
             "shards": writer.shards,
             "options": {"shard_size": opts.shard_size, "max_short_side": opts.max_short_side, "quality": opts.quality},
         }
-        with os.fdopen(out.create("pack.json"), "wb") as f:
+        with os.fdopen(out.create(shards.PACK_MANIFEST), "wb") as f:
             f.write((json.dumps(manifest, indent=1) + "\n").encode())
         out.publish()  # pack.json last: a folder with it holds every shard
         out.close()

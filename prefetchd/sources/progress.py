@@ -10,6 +10,7 @@ import time
 log = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 5.0  # an indexing progress line this often
+MARK = ": indexed "  # in every progress line, after the source's name
 
 
 class IndexingProgress:
@@ -27,4 +28,4 @@ class IndexingProgress:
             if now - self._last >= PROGRESS_EVERY_S and self.done < self.total:
                 self._last = now
                 elapsed = now - self._started
-                log.info("%s: indexed %d of %d %s (%.0f s)", self.where, self.done, self.total, self.unit, elapsed)
+                log.info("%s%s%d of %d %s (%.0f s)", self.where, MARK, self.done, self.total, self.unit, elapsed)

@@ -179,6 +179,7 @@ def _in_order(pool: ThreadPoolExecutor, fn, items: list, ahead: int) -> Iterator
         yield pending.popleft().result()
 
 
+PACK_MANIFEST = "pack.json"  # what `prefetchd pack` writes beside its shards, last
 _MAX_PACK_JSON_BYTES = 64 << 20
 
 
@@ -189,7 +190,7 @@ def packed_class_names(src: dict) -> list[str] | None:
     if first is None or objects.is_url(first):
         return None
     try:
-        fd, st = open_data_file(os.path.join(os.path.dirname(first), "pack.json"))
+        fd, st = open_data_file(os.path.join(os.path.dirname(first), PACK_MANIFEST))
     except (OSError, ValueError):
         return None
     with open(fd, "rb") as f:
