@@ -79,7 +79,11 @@ class Config:
     drop_last: bool
     decoder: str
     buffer_bytes: int
-    workers: int
+    workers: int | str  # a count, or "auto" (min_workers to max_workers, by demand: master/autoscale.py)
+    min_workers: int
+    max_workers: int
+    node_cpus: int | None  # None: cores - 1 with --workers auto, else no node budget (master/demand.py)
+    cpu_weight: float
     executor: str
     ray_address: str
     ray_workers: int
@@ -100,6 +104,11 @@ class Config:
     mix: str
     transforms: tuple[dict, ...]
     pipeline: str | None
+
+    @property
+    def worker_range(self) -> tuple[int, int]:
+        """(fewest, most) local workers: both the count given, or with auto its bounds."""
+        return (self.min_workers, self.max_workers) if self.workers == "auto" else (self.workers, self.workers)
 
     @property
     def served_ranks(self) -> tuple[int, ...]:
@@ -248,6 +257,11 @@ def _check_ranks_in_world(ranks: tuple[int, ...] | None, world_size: int) -> Non
 
 
 def _check_executor(values: dict) -> None:
+    if values["workers"] == "auto" and values["min_workers"] > values["max_workers"]:
+        raise ConfigError(
+            f"[daemon] min_workers / --min-workers ({values['min_workers']}) is more than max_workers / "
+            f"--max-workers ({values['max_workers']}); with --workers auto the count moves between the two"
+        )
     if values["workers"] == 0 and values["executor"] != "ray":
         raise ConfigError(
             "[daemon] workers / --workers must be at least 1 with the local executor; 0 makes sense only with "

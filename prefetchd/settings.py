@@ -115,6 +115,15 @@ def default_workers() -> int:
     return max(1, (os.cpu_count() or 2) - 1)
 
 
+def parse_workers(value) -> int | str:
+    """``--workers``: a count (0 or more; a flag's digits too) or ``"auto"``; ValueError otherwise."""
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if value == "auto" or type(value) is int and value >= 0:
+        return value
+    raise ValueError(f"must be a number of workers (0 or more) or auto, got {value!r:.60}")
+
+
 def _is_endpoint(text: str) -> bool:
     if text == "ipc":
         return True
@@ -254,11 +263,42 @@ SETTINGS: tuple[Setting, ...] = (
         type_text="size",
     ),
     Setting(
-        "daemon", "workers", (int,),
-        help="local worker processes (0 only with --executor ray: every batch made on the cluster)",
+        "daemon", "workers", (str, int),
+        help="local worker processes: a number (0 only with --executor ray: every batch made on the cluster), or "
+        "auto: from --max-workers, fewer while the trainers need fewer, more again when they wait",
         default_factory=default_workers,
         default_text="cores - 1, at least 1",
-        rules=(_NOT_NEGATIVE,),  # at least 1 with the local executor: prefetchd.config
+        check=parse_workers,  # at least 1 with the local executor: prefetchd.config
+        metavar="N|auto",
+        type_text="int or auto",
+    ),
+    Setting(
+        "daemon", "min_workers", (int,),
+        help="with --workers auto: the fewest workers kept, however idle",
+        default=1,
+        rules=(_at_least(1),),
+    ),
+    Setting(
+        "daemon", "max_workers", (int,),
+        help="with --workers auto: the most workers, and the count it starts with",
+        default_factory=default_workers,
+        default_text="cores - 1, at least 1",
+        rules=(_at_least(1),),
+    ),
+    Setting(
+        "daemon", "node_cpus", (int,),
+        help="the most workers busy at once over the jobs under this root on this node, divided by demand (those "
+        "whose trainers wait first); taken part in with --workers auto, or by any job that sets it",
+        default_text="with --workers auto: cores - 1; else none",
+        rules=(_at_least(1),),
+        metavar="N",
+    ),
+    Setting(
+        "daemon", "cpu_weight", (float, int),
+        help="this job's weight when jobs that all wait divide --node-cpus",
+        default=1.0,
+        rules=((lambda v: 0 < v <= 1000, "a number above 0, at most 1000"),),
+        type_text="number",
     ),
     Setting(
         "daemon", "executor", (str,),

@@ -104,7 +104,7 @@ def _job(s: dict, live: bool):
     )
     yield Text(
         f"  produced {r['produced_images_per_s']:.0f} img/s, consumed {r['consumed_images_per_s']:.0f} img/s; "
-        f"workers {w['busy']}/{w['count']} busy, {w['restarts']} restarts; "
+        f"workers {w['busy']}/{w['count']} busy{_auto_text(w.get('auto'))}, {w['restarts']} restarts; "
         f"{s['totals']['bad_samples']} bad samples replaced"
         + ("; BACKING OFF: the tmpfs is full" if s.get("backing_off_no_space") else "")
     )
@@ -120,6 +120,13 @@ def _job(s: dict, live: bool):
     yield _ranks_table(s, live)
     if live:
         yield _workers_table(w)
+
+
+def _auto_text(auto: dict | None) -> str:
+    """With --workers auto: the bounds and how often the count moved."""
+    if not auto:
+        return ""
+    return f" (auto {auto['min']}-{auto['max']}, {auto['changes']} change{'s' if auto['changes'] != 1 else ''})"
 
 
 def _store_lines(store: dict):

@@ -60,6 +60,20 @@ class Buffer:
             self.deleted += 1
             self._reserve_pinned(now)
 
+    def make_room(self, now: float) -> bool:
+        """Delete the ready batch farthest ahead when a full buffer lacks a rank's next batch
+        (Scheduler.make_room); whether one was deleted."""
+        gave_way = self.scheduler.make_room()
+        if gave_way is None:
+            return False
+        self.delete(*gave_way, now)
+        log.info(
+            "the buffer was full with a batch missing before ready ones: deleted batch %s, the farthest ahead, "
+            "to make the missing one first",
+            self.job.batch_name(*gave_way),
+        )
+        return True
+
     def free_retired(self, now: float, sweep: bool = False) -> None:
         """Free the retired batches no client maps any more (a few times a second)."""
         if not sweep and (not self.retired.pinned or now < self._next_retired_check):

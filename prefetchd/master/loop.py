@@ -17,6 +17,7 @@ import zmq
 from prefetchd import messages, stopsignals
 from prefetchd.errors import DaemonStop, ExitCode
 from prefetchd.master.buffer import Buffer
+from prefetchd.master.demand import Demand
 from prefetchd.master.intake import PeerIntake
 from prefetchd.master.job import Job
 from prefetchd.master.jobdir import JobDir
@@ -50,6 +51,7 @@ class Master:
         self.retries = TaskRetries(log_path, cfg.worker_timeout)
         self.samples = BadSampleBudget(cfg.max_bad_rate, log_path)
         self.pauses = ProductionPauses(cfg.store_timeout, str(self.paths.dir))
+        self.demand = Demand(cfg, pool, buffer.scheduler, job.paths.dir.parent, time.monotonic())
         self.produced = 0
         self.worker_restarts = 0  # workers that died and were replaced since the start
         self.produced_per_source = [0] * len(job.source_names)
@@ -103,6 +105,7 @@ class Master:
         self.intake.check_trainers(now, self._trainer_gone)
         self.buffer.free_retired(now)
         self.assign_tasks(now)
+        self.demand.turn(now)  # the workers' count (--workers auto), the node's CPU budget
         self.metrics.answer(self.status)  # /metrics scrapes waiting: their snapshot is taken on this thread
 
     def _wait_for_descriptors(self, exc: OSError) -> None:
@@ -238,17 +241,16 @@ class Master:
         if self.pauses.waiting(now):
             return
         scheduler = self.buffer.scheduler
+        busy = sum(s.task is not None for s in self.pool.serving)  # local ones: the node budget's count
         for slot in self.pool.slots:
-            if not slot.ready or slot.task is not None:
+            if not slot.ready or slot.task is not None or slot.retiring is not None:
+                continue
+            if slot.kind == "local" and not self.demand.may_start(busy):
                 continue
             task = scheduler.next_task()
             if task is None:
-                gave_way = scheduler.make_room()
-                if gave_way is None:
+                if not self.buffer.make_room(now):
                     return
-                self.buffer.delete(*gave_way, now)
-                log.info("the buffer was full with a batch missing before ready ones: deleted batch %s, the "
-                         "farthest ahead, to make the missing one first", self.job.batch_name(*gave_way))
                 task = scheduler.next_task()
                 if task is None:
                     return  # its slot is still mapped by a client: freed within a tick
@@ -258,6 +260,7 @@ class Master:
                 return
             if self.pool.send_task(slot, *task):
                 scheduler.task_started(*task)
+                busy += slot.kind == "local"
                 self.buffer.note_peak()
 
     # -- stopping ------------------------------------------------------------------------
@@ -265,6 +268,7 @@ class Master:
     def shutdown(self) -> None:
         self.metrics.close()  # before the lock goes: a start right after this one finds the port free
         self.pool.halt()
+        self.demand.leave()
         self.intake.close()
         self._context.term()
         peak = format_size(self.buffer.peak_bytes)

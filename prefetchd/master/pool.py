@@ -17,8 +17,6 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
-import shutil
-import stat
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -26,12 +24,11 @@ from pathlib import Path
 
 from prefetchd import messages, stopsignals
 from prefetchd.errors import DaemonStop, ExitCode, JobError
+from prefetchd.master import rayfolder
 from prefetchd.master.job import Job
-from prefetchd.master.jobdir import ensure_private_dir
 from prefetchd.workers import workerserver
 from prefetchd.workers.worker import HEARTBEAT_S, worker_main
 from prefetchd_client.batchfile import FieldSpec
-from prefetchd_client.errors import UnsafeFolder
 
 log = logging.getLogger("prefetchd")
 
@@ -41,9 +38,6 @@ _WORKER_STOP_TIMEOUT_S = 5.0
 _SPAWN_ATTEMPTS = 5  # a fork server killed during a spawn is started again; one that always dies is not
 _LOST_WITH_SERVER = 255  # multiprocessing's exit code for a worker whose fork server went away
 _SERVER_EXIT_S = 1.0  # a killed server's exit shows within milliseconds; a worker that exits 255 itself waits this
-_RAY_FOLDER = "ray"  # <job>/ray (0700): a private Ray instance's temp folder is <job>/ray/s
-_RAY_RUNTIME_PREFIX = "prefetchd-ray"  # in $XDG_RUNTIME_DIR or $TMPDIR, when <job>/ray/s is too long for Ray's sockets
-_RAY_TEMP_SUFFIX = "/s"
 _CHARGED_REMEMBERED = 256  # deaths charged lately, by process: the workers of one server die over several turns
 
 
@@ -64,6 +58,7 @@ class WorkerSlot:
     kind: str = "local"  # or "ray": a relay of the Ray bridge, whose process it shares
     server: int | None = None  # pid of the fork server a local worker came from
     io: dict = field(default_factory=dict)  # its object stores' counters, as its last heartbeat said
+    retiring: float | None = None  # when it was asked to stop, idle, by resize (--workers auto): no death
 
     @property
     def pid(self) -> int:
@@ -98,7 +93,7 @@ class WorkerPool:
         self._io_of_the_dead: dict[str, list] = {}  # object-store counters of workers gone, summed
 
     def spawn_all(self) -> None:
-        for _ in range(self.job.config.workers):
+        for _ in range(self.job.config.worker_range[1]):  # with --workers auto, the most: then by demand
             self.slots.append(self._spawn())
         if self.job.config.executor == "ray":
             self.slots.extend(self._spawn_bridge())
@@ -134,54 +129,14 @@ class WorkerPool:
         return [WorkerSlot(process, parent, kind="ray") for parent, _ in pipes]
 
     def _private_ray_folder(self) -> str:
-        """Ray's temp folder for a private instance (--ray-address local), never the shared /tmp/ray
-        (another user's session folders there, which Ray makes 0777): ``s`` in a 0700 folder of this
-        user's: ``<job>/ray``, or, when the job's path is too long for Ray's sockets, a fresh one
-        (mkdtemp: nobody can have made it first) in $XDG_RUNTIME_DIR, else in the temp folder
-        ($TMPDIR, /tmp). Ray chmods its temp folder 0777: the 0700 folder above keeps others out.
-        What a previous instance left in <job>/ray (a killed daemon's) is ended and removed first."""
-        from prefetchd.remote import raycluster
-
+        """Ray's temp folder for a private instance (--ray-address local), in a 0700 folder of this
+        user's (master/rayfolder.py); what a previous instance left there is ended first."""
         self._end_private_ray()
-        bases = [b for b in (os.environ.get("XDG_RUNTIME_DIR", ""), tempfile.gettempdir()) if os.path.isabs(b)]
-        candidates = [self.job.paths.dir / _RAY_FOLDER, *(Path(b) / _RAY_RUNTIME_PREFIX for b in bases)]
-        for folder in candidates:
-            fresh = folder.parent != self.job.paths.dir
-            if not raycluster.fits_ray_sockets(str(folder) + ("-xxxxxxxx" if fresh else "") + _RAY_TEMP_SUFFIX):
-                continue
-            try:
-                if fresh:
-                    folder = Path(tempfile.mkdtemp(prefix=folder.name + "-", dir=folder.parent))
-                os.close(ensure_private_dir(folder, "Ray's temp folder"))  # and the folders above it: checked
-            except (UnsafeFolder, JobError, OSError) as exc:
-                log.warning("not using %s for Ray's temp folder: %s", folder, exc)
-                continue
-            self._ray_folder = folder
-            return str(folder) + _RAY_TEMP_SUFFIX
-        raise DaemonStop(
-            f"the Ray executor could not start: a private Ray instance's socket paths under {self.job.paths.dir} "
-            f"would exceed {raycluster.MAX_SOCKET_PATH_BYTES} bytes (AF_UNIX's limit), and under $XDG_RUNTIME_DIR "
-            "and the temp folder too; use a shorter --root or job name, or set XDG_RUNTIME_DIR or TMPDIR to a short "
-            "folder of yours (0700)",
-            ExitCode.WORKER_BOOT,
-        )
+        self._ray_folder = rayfolder.make_private(self.job.paths.dir)
+        return rayfolder.temp_of(self._ray_folder)
 
     def _end_private_ray(self) -> None:
-        """End every process of the private Ray instance (those that hold a file in its folder,
-        however they are titled or re-parented) and remove the folder."""
-        folder = self._ray_folder or self.job.paths.dir / _RAY_FOLDER
-        try:
-            if not stat.S_ISDIR(os.lstat(folder).st_mode):  # a symlink: what it names is not the instance's
-                log.warning("%s is not a folder: left as it is, and no process is ended for it", folder)
-                return
-        except FileNotFoundError:
-            return
-        from prefetchd.remote.rayinstance import end_instance  # psutil: only where a Ray instance was
-
-        ended = end_instance(str(folder))
-        if ended:
-            log.info("ended %d processes of the private Ray instance: %s", len(ended), ended[:20])
-        shutil.rmtree(folder, ignore_errors=True)
+        rayfolder.end_instance(self._ray_folder or self.job.paths.dir / rayfolder.RAY_FOLDER)
         self._ray_folder = None
 
     def _spawn(self) -> WorkerSlot:
@@ -234,7 +189,7 @@ class WorkerPool:
         if any(s.kind == "ray" and not s.ready for s in self.slots):
             from prefetchd.remote import raycluster
 
-            said = raycluster.reason_in_logs(self._ray_folder and str(self._ray_folder) + _RAY_TEMP_SUFFIX)
+            said = raycluster.reason_in_logs(self._ray_folder and rayfolder.temp_of(self._ray_folder))
             raise JobError(
                 f"the Ray bridge did not connect to {self.job.config.ray_address} and check its nodes within "
                 f"{WORKER_BOOT_TIMEOUT_S:.0f} s"
@@ -314,7 +269,7 @@ class WorkerPool:
         message says to raise --worker-timeout above the slowest sample (not the whole batch).
         """
         for slot in self.slots:
-            if not slot.process.is_alive():
+            if not slot.process.is_alive() or slot.retiring is not None:  # stopping: remove_retired's
                 continue
             why = self._hang(slot, now)
             if why is None:
@@ -370,8 +325,44 @@ class WorkerPool:
         return True
 
     def newly_dead(self) -> list[WorkerSlot]:
-        """Dead workers whose death the master has not accounted for yet."""
-        return [s for s in self.slots if not s.reaped and not s.process.is_alive()]
+        """Dead workers whose death the master has not accounted for yet (not those retired)."""
+        return [s for s in self.slots if not s.reaped and s.retiring is None and not s.process.is_alive()]
+
+    @property
+    def serving(self) -> list[WorkerSlot]:
+        """The local workers that take tasks: neither retiring nor buried."""
+        return [s for s in self.slots if s.kind == "local" and s.retiring is None and not s.reaped]
+
+    def resize(self, target: int, now: float) -> list[int]:
+        """Toward ``target`` local workers (--workers auto): new ones start now; idle ones beyond it
+        are asked to stop (a busy one finishes its batch first, and goes at a later call).
+        Returns the pids asked to stop."""
+        serving = self.serving
+        for _ in range(target - len(serving)):
+            self.slots.append(self._spawn())
+        stopped = []
+        idle = [s for s in reversed(serving) if s.ready and s.task is None]  # the youngest first
+        for slot in idle[: max(0, len(serving) - target)]:
+            try:
+                slot.conn.send_bytes(messages.encode(messages.Stop()))
+            except OSError:
+                continue  # dying already: buried as a death, and replaced
+            slot.retiring = now
+            stopped.append(slot.pid)
+        return stopped
+
+    def remove_retired(self, now: float) -> None:
+        """Bury the workers resize stopped once they have exited (killed, should one not within
+        _WORKER_STOP_TIMEOUT_S): no death, no replacement, their object-store counters kept."""
+        for slot in [s for s in self.slots if s.retiring is not None]:
+            if slot.process.is_alive() and now - slot.retiring > _WORKER_STOP_TIMEOUT_S:
+                log.warning("worker pid %d did not stop in time; killing it", slot.pid)
+                slot.process.kill()
+            if not slot.process.is_alive():
+                slot.process.join()
+                self.bury(slot)
+                self.slots.remove(slot)
+                self.changed = True
 
     def bury(self, slot: WorkerSlot) -> int | None:
         """Close a dead worker's pipe and remove its files; its exit code. Safe to repeat: the
@@ -451,6 +442,7 @@ class WorkerPool:
                 "task": None if s.task is None else self.job.batch_name(*s.task),
             }
             for s in self.slots
+            if s.retiring is None
         ]
 
     def io_status(self) -> dict[str, dict]:

@@ -73,6 +73,11 @@ class Scheduler:
     def full(self) -> bool:
         return self.held + self.reserved >= self.capacity
 
+    @property
+    def starving(self) -> bool:
+        """Whether a rank's next batch is not ready: its trainer waits, or will when it asks."""
+        return any(not state.parked and state.position not in state.ready for state in self.ranks.values())
+
     def next_task(self) -> tuple[int, int] | None:
         """(rank, index) of the most urgent missing batch, or None when full or all windows are full."""
         if self.full:

@@ -54,6 +54,8 @@ METRICS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ("prefetchd_deleted_batches_total", "counter", (), "batches deleted (consumed, or out of a moved window)"),
     ("prefetchd_workers", "gauge", (), "worker slots (local processes, and Ray relays)"),
     ("prefetchd_workers_busy", "gauge", (), "workers making a batch now"),
+    ("prefetchd_workers_target", "gauge", (), "with --workers auto: the count the demand wants now (absent: fixed)"),
+    ("prefetchd_worker_count_changes_total", "counter", (), "with --workers auto: changes of that count"),
     ("prefetchd_worker_restarts_total", "counter", (), "workers that died and were replaced (Ray bridge: one)"),
     ("prefetchd_bad_samples_total", "counter", (), "unreadable samples replaced (--on-error replace)"),
     ("prefetchd_backing_off", "gauge", (), "1: the tmpfs is full and production waits for space"),
@@ -111,6 +113,10 @@ def families(snapshot: dict) -> list[Metric]:
     put("prefetchd_deleted_batches_total", totals["deleted"])
     put("prefetchd_workers", snapshot["workers"]["count"])
     put("prefetchd_workers_busy", snapshot["workers"]["busy"])
+    auto = snapshot["workers"].get("auto")  # None: a fixed count; absent from a daemon older than auto
+    if auto:
+        put("prefetchd_workers_target", auto["target"])
+        put("prefetchd_worker_count_changes_total", auto["changes"])
     put("prefetchd_worker_restarts_total", totals["worker_restarts"])
     put("prefetchd_bad_samples_total", totals["bad_samples"])
     put("prefetchd_backing_off", snapshot["backing_off_no_space"])

@@ -94,6 +94,8 @@ def job_status(m) -> dict:  # m: the prefetchd.master.loop.Master, which imports
             "restarts": m.restarts.recent,
             "pids": [w["pid"] for w in workers],
             "each": workers,
+            # --workers auto (min, max, target, changes) and the node's CPU budget (cpus, lease, jobs): None if unused
+            **dict(zip(("auto", "budget"), m.demand.snapshot())),
         },
         "rates": {
             "produced_batches_per_s": round(produced_per_s, 2),

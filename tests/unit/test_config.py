@@ -72,6 +72,13 @@ def test_relative_paths_resolve_against_the_config_folder():
     assert cfg.sources[0]["path"] == "/cfg/lists/train.txt"
 
 
+@pytest.mark.parametrize("given", ["auto", "3"])
+def test_workers_take_a_count_or_auto_as_a_flag_gives_them(given):
+    cfg = build(workers=given, min_workers=2, max_workers=6)
+    assert cfg.workers == (3 if given == "3" else "auto")
+    assert cfg.worker_range == ((3, 3) if given == "3" else (2, 6))
+
+
 def test_data_flag_replaces_the_source_root(tmp_path):
     cfg = build(data=str(tmp_path))
     assert cfg.sources[0]["root"] == str(tmp_path)
@@ -87,6 +94,11 @@ def test_data_flag_replaces_the_source_root(tmp_path):
         ({}, {"batch_size": 0}, "must be at least 1"),
         ({}, {"buffer": "lots"}, r"--buffer: cannot read 'lots' as a size"),
         ({}, {"workers": 0}, "--workers must be at least 1"),
+        ({}, {"workers": "many"}, "--workers: must be a number of workers .* or auto, got 'many'"),
+        ({}, {"workers": -2}, "--workers: must be a number of workers"),
+        ({"daemon": {"workers": 2.5}}, {}, r"\[daemon\] workers must be str or int"),
+        ({}, {"workers": "auto", "min_workers": 4, "max_workers": 2}, r"min_workers .*\(4\) is more than max_workers"),
+        ({}, {"min_workers": 0}, "--min-workers must be at least 1"),
         ({}, {"name": "../etc"}, "invalid job name"),
         ({"source": []}, {}, "no data: add a \\[\\[source\\]\\]"),
         ({"source": {"kind": "image_folder"}}, {}, r"write \[\[source\]\]"),

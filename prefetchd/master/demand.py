@@ -1,0 +1,64 @@
+"""What the demand seen each turn asks of the workers: with ``--workers auto`` how many there are
+(master/autoscale.py), and with a node CPU budget how many may be busy (master/cpubudget.py).
+The master's loop asks it once a turn and before each task it hands out.
+
+A job takes part in the node's budget with ``--workers auto`` (the budget then defaults to the
+node's cores - 1) or whenever ``--node-cpus`` is given; a fixed ``--workers N`` without it keeps
+its N workers to itself, as before budgets existed. Ray's slots make batches on the cluster's
+CPUs, not the node's: the budget counts local workers only.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from prefetchd.config import Config
+from prefetchd.master.autoscale import AutoWorkers
+from prefetchd.master.cpubudget import NodeBudget
+from prefetchd.master.pool import WorkerPool
+from prefetchd.master.scheduler import Scheduler
+from prefetchd.settings import default_workers
+
+log = logging.getLogger("prefetchd")
+
+
+class Demand:
+    def __init__(self, config: Config, pool: WorkerPool, scheduler: Scheduler, root: Path, now: float):
+        self.pool, self.scheduler = pool, scheduler
+        self.most = config.worker_range[1]
+        self.autoscale = AutoWorkers(*config.worker_range, now) if config.workers == "auto" else None
+        shares = config.workers == "auto" or config.node_cpus is not None
+        cpus = config.node_cpus or default_workers()
+        self.budget = NodeBudget(root, cpus, config.cpu_weight, config.name) if shares else None
+
+    def may_start(self, busy: int) -> bool:
+        """Whether a local worker may take a task while ``busy`` of them make one (the lease)."""
+        return self.budget is None or busy < self.budget.lease
+
+    def turn(self, now: float) -> None:
+        serving = self.pool.serving
+        busy = sum(s.task is not None for s in serving)
+        starving, more_work = self.scheduler.starving, self.scheduler.next_task() is not None
+        if self.budget is not None:
+            self.budget.settle(now, busy, self.most if more_work else busy, starving)
+        if self.autoscale is None:
+            return
+        self.pool.remove_retired(now)
+        before = self.autoscale.target
+        target = self.autoscale.decide(now, len(serving), busy, starving, more_work)
+        if target != before:
+            log.info("workers: %d -> %d (%s)", before, target, self.autoscale.last_change)
+        if target != len(serving):
+            self.pool.resize(target, now)
+
+    def leave(self) -> None:
+        if self.budget is not None:
+            self.budget.leave()
+
+    def snapshot(self) -> tuple[dict | None, dict | None]:
+        """(the --workers auto state, the node budget's) for status; None where not in use."""
+        return (
+            None if self.autoscale is None else self.autoscale.snapshot(),
+            None if self.budget is None else self.budget.snapshot(),
+        )

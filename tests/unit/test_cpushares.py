@@ -1,0 +1,47 @@
+"""How a node's CPU budget is divided (prefetchd.master.cpushares): pure, every daemon alike."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefetchd.master.cpushares import Claim, divide
+
+
+def test_starving_jobs_are_served_first_and_the_rest_gets_what_is_left():
+    claims = [Claim("fast", 8, True), Claim("slow-a", 8, False), Claim("slow-b", 8, False)]
+    assert divide(claims, 10) == {"fast": 8, "slow-a": 1, "slow-b": 1}
+
+
+def test_when_all_wait_shares_are_equal_or_by_weight():
+    even = [Claim(k, 10, True) for k in "abc"]
+    assert divide(even, 9) == {"a": 3, "b": 3, "c": 3}
+    weighted = [Claim("a", 10, True, 2.0), Claim("b", 10, True), Claim("c", 10, True)]
+    assert divide(weighted, 8) == {"a": 4, "b": 2, "c": 2}
+
+
+def test_what_a_job_does_not_want_goes_to_the_others():
+    claims = [Claim("a", 1, True), Claim("b", 10, True), Claim("c", 0, True)]
+    assert divide(claims, 6) == {"a": 1, "b": 5, "c": 0}
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 40), st.booleans(), st.sampled_from([0.5, 1.0, 2.0, 3.0])), min_size=0, max_size=8
+    ),
+    st.integers(0, 64),
+)
+def test_never_more_than_the_budget_nor_than_asked_and_the_same_in_any_order(raw, cpus):
+    claims = [Claim(f"job{i}", d, s, w) for i, (d, s, w) in enumerate(raw)]
+    shares = divide(claims, cpus)
+    assert sum(shares.values()) == min(cpus, sum(c.demand for c in claims))  # nothing idle that is wanted
+    assert all(0 <= shares[c.key] <= c.demand for c in claims)
+    shuffled = claims[:]
+    random.Random(len(raw)).shuffle(shuffled)
+    assert divide(shuffled, cpus) == shares  # every daemon computes the same division
+    starved = [c for c in claims if c.starving]
+    if any(shares[c.key] < c.demand for c in starved):  # a starving job short of its demand:
+        assert all(shares[c.key] == 0 for c in claims if not c.starving)  # nothing went to the others
