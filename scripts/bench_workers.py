@@ -33,7 +33,7 @@ batch_size = 32
 
 [daemon]
 buffer = "256M"
-workers = {workers}
+{workers}
 
 [[source]]
 kind = "image_folder"
@@ -46,6 +46,21 @@ size = 224
 [[transform]]
 op = "hflip"
 """
+
+
+def common_arguments(doc: str) -> argparse.ArgumentParser:
+    """The data, the workers and the runs, as this script and bench_node.py take them."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=400)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3)
+    return parser
+
+
+def auto_workers(most: int) -> str:
+    """[daemon]'s lines of --workers auto up to ``most``, with a node budget of as many."""
+    return f'workers = "auto"\nmax_workers = {most}\nnode_cpus = {most}'
 
 
 def _daemon(name: str, env: dict):
@@ -117,11 +132,7 @@ def run_once(name: str, config: Path, env: dict, epochs: int, step_s: float, slo
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--images", type=int, default=400)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser = common_arguments(__doc__)
     parser.add_argument("--step-ms", type=float, default=400.0, help="the slow trainer's step")
     parser.add_argument("--slow-s", type=float, default=30.0, help="how long the slow trainer reads")
     args = parser.parse_args()
@@ -135,10 +146,8 @@ def main() -> None:
         env = {**os.environ, "PREFETCHD_ROOT": str(root)}
         os.environ["PREFETCHD_ROOT"] = str(root)
         configs = {
-            "fixed": CONFIG.format(name="fixed", workers=args.workers, data=data),
-            "auto": CONFIG.format(name="auto", workers='"auto"', data=data).replace(
-                'workers = "auto"', f'workers = "auto"\nmax_workers = {args.workers}'
-            ),
+            "fixed": CONFIG.format(name="fixed", workers=f"workers = {args.workers}", data=data),
+            "auto": CONFIG.format(name="auto", workers=auto_workers(args.workers), data=data),
         }
         results: dict[str, list[dict]] = {"fixed": [], "auto": []}
         for _ in range(args.repeats):

@@ -138,18 +138,25 @@ def hold_trainer_lock(paths: JobPaths, rank: int) -> int | None:
         return None
     # The daemon's probe holds the lock exclusively for microseconds; a process that holds it
     # longer is not the daemon: give up after a deadline rather than hang the trainer.
-    deadline = time.monotonic() + _TRAINER_LOCK_TIMEOUT_S
-    while True:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            break
-        except BlockingIOError:
-            if time.monotonic() >= deadline:
-                os.close(fd)
-                return None
-            time.sleep(0.01)
+    if not flock_within(fd, fcntl.LOCK_SH, _TRAINER_LOCK_TIMEOUT_S):
+        os.close(fd)
+        return None
     _held_trainer_locks.add(fd)
     return fd
+
+
+def flock_within(fd: int, mode: int, wait_s: float, poll_s: float = 0.01) -> bool:
+    """Take ``flock(fd, mode)``, trying until ``wait_s`` has passed: whether it was taken. Never
+    blocks for good on a lock another process keeps."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
 
 
 def release_trainer_lock(fd: int) -> None:

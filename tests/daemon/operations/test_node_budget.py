@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from prefetchd.master.cpubudget import FOLDER
+from prefetchd.master.leasefile import FOLDER
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.manifest import read_manifest
 from tests.conftest import cli, start_job, wait_pids_gone, wait_until, write_config

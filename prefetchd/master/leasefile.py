@@ -1,0 +1,121 @@
+"""The file the daemons of one root keep their CPU leases in (master/cpubudget.py):
+``<root>/.cpus/leases.json`` (no job's name starts with a dot), read and replaced whole under
+``flock`` of ``<root>/.cpus/lock``. Only plain files of this user's are used (Refused for a
+symlink, a FIFO, another owner's); leases that do not read as leases count as none, and a lease
+whose daemon is gone (its pid, started at that time: a reused pid is not it) is dropped."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import logging
+import os
+import stat
+from pathlib import Path
+
+import psutil
+
+from prefetchd.master.jobdir import ensure_private_dir
+from prefetchd_client.folders import is_private
+from prefetchd_client.locks import flock_within
+
+log = logging.getLogger("prefetchd")
+
+FOLDER = ".cpus"
+_LEASES, _LOCK = "leases.json", "lock"
+_MAX_BYTES = 1 << 20  # leases of thousands of jobs; more is no file of ours
+_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_ENTRY = {"pid": int, "started": float, "job": str, "lease": int, "busy": int, "demand": int, "starving": bool}
+
+
+class Refused(Exception):
+    """The budget's files cannot be used (not a plain file of ours)."""
+
+
+@contextlib.contextmanager
+def locked(root: Path, wait_s: float):
+    """The leases' folder (a descriptor) with its lock held, or None when the lock stayed busy
+    for ``wait_s``: a daemon in the middle of a settle is not waited for."""
+    folder = ensure_private_dir(root / FOLDER, "CPU budget folder")
+    try:
+        lock = _open_ours(_LOCK, os.O_RDWR | os.O_CREAT, folder)
+        try:
+            yield folder if flock_within(lock, fcntl.LOCK_EX, wait_s, poll_s=0.002) else None
+        finally:
+            os.close(lock)  # the lock goes with it
+    finally:
+        os.close(folder)
+
+
+def read_live(folder: int) -> dict[str, dict]:
+    """The leases whose daemons still run; none when the file is absent or does not read as leases."""
+    try:
+        fd = _open_ours(_LEASES, os.O_RDONLY, folder)
+    except FileNotFoundError:
+        return {}
+    try:
+        data = os.read(fd, _MAX_BYTES + 1)
+    finally:
+        os.close(fd)
+    try:
+        leases = json.loads(data) if len(data) <= _MAX_BYTES else None
+    except (ValueError, RecursionError):
+        leases = None
+    if not isinstance(leases, dict):
+        log.warning("the CPU budget's leases did not read as leases; starting them afresh")
+        return {}
+    return {k: e for k, e in leases.items() if _is_entry(e) and k == key_of(e["pid"], e["started"]) and _alive(e)}
+
+
+def write(folder: int, leases: dict[str, dict]) -> None:
+    """All at once: a new file renamed over the old, so a kill mid-write leaves the old whole."""
+    tmp = f"{_LEASES}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _FLAGS, 0o600, dir_fd=folder)
+    try:
+        os.write(fd, json.dumps(leases).encode())
+    finally:
+        os.close(fd)
+    os.rename(tmp, _LEASES, src_dir_fd=folder, dst_dir_fd=folder)
+
+
+def key_of(pid: int, started: float) -> str:
+    return f"{pid}-{started}"
+
+
+def _open_ours(name: str, flags: int, folder: int) -> int:
+    """A plain file of ours in the leases' folder; Refused for anything else."""
+    try:
+        fd = os.open(name, flags | _FLAGS, 0o600, dir_fd=folder)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise Refused(f"{FOLDER}/{name} is a symlink") from None
+        raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or not is_private(st):
+        os.close(fd)
+        kind = "a plain file" if stat.S_ISREG(st.st_mode) else "not a plain file"
+        raise Refused(f"{FOLDER}/{name} is {kind} of uid {st.st_uid}, mode {stat.S_IMODE(st.st_mode):o}")
+    return fd
+
+
+def _is_entry(entry) -> bool:
+    if not isinstance(entry, dict) or not all(type(entry.get(k)) is t for k, t in _ENTRY.items()):
+        return False
+    weight = entry.get("weight", 1.0)
+    return (
+        type(weight) in (int, float)
+        and 0 < weight < 1e6
+        and all(0 <= entry[k] < 1 << 20 for k in ("lease", "busy", "demand"))
+        and 0 < entry["pid"] < 1 << 31
+    )
+
+
+def _alive(entry: dict) -> bool:
+    """Whether the lease's daemon still runs: that pid, started then (not a reused pid)."""
+    try:
+        process = psutil.Process(entry["pid"])
+        return abs(process.create_time() - entry["started"]) < 0.01 and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
