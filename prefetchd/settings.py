@@ -290,7 +290,7 @@ SETTINGS: tuple[Setting, ...] = (
         help="the most workers busy at once over the jobs under this root on this node, divided by demand (those "
         "whose trainers wait first); taken part in with --workers auto, or by any job that sets it",
         default_text="with --workers auto: cores - 1; else none",
-        rules=(_at_least(1),),
+        rules=(_at_least(1), (lambda v: v <= 4096, "at most 4096")),
         metavar="N",
     ),
     Setting(

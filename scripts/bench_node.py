@@ -43,8 +43,10 @@ def trainer(name: str, epochs: int, batches: int, step_s: float) -> None:
             time.sleep(step_s)
             if batches and images >= batches * 32:
                 break
+        if batches and images >= batches * 32:
+            break
     took = time.perf_counter() - began
-    print(json.dumps({"images_per_s": images / took, "wait_s": loader.wait_stats()["wait_s"], "s": took}))
+    print(json.dumps({"images_per_s": images / took, "wait_s": loader.wait_stats["wait_s"], "s": took}))
     loader.close()
 
 

@@ -101,7 +101,7 @@ def run_once(name: str, config: Path, env: dict, epochs: int, step_s: float, slo
             touched += int(batch["image"][:, ::16, ::16].sum() & 1)  # the trainer touches its pixels
             images += len(batch["index"])
     fast_s = time.perf_counter() - began
-    waited = loader.wait_stats()["wait_s"]
+    waited = loader.wait_stats["wait_s"]
     daemon, _ = _daemon(name, env)
     cpu_fast, _ = _tree(daemon)
     result = {"images_per_s": images / fast_s, "wait_s": waited, "cpu_ms_per_image": 1000 * cpu_fast / images}

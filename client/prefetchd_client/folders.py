@@ -244,7 +244,7 @@ def _fix_for(path: Path, what: str, st: os.stat_result | None) -> str:
             return f"name a folder of your own as the root: --root DIR or {ROOT_ENV}=DIR"
         return f"remove it (rm {path}) or use another root: --root DIR or {ROOT_ENV}=DIR"
     if st is not None and st.st_uid == os.getuid():
-        return f"remove it (rm {path}) or use another job name"
+        return f"remove it (rm {path})" + (" or use another job name" if what.startswith("job") else "")
     return (
         f"use a root folder of your own, the same for the daemon and its trainers: `prefetchd ... --root DIR` "
         f"or {ROOT_ENV}=DIR (PrefetchLoader(root=DIR)), or ask an administrator to remove {path}"

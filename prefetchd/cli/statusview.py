@@ -104,7 +104,7 @@ def _job(s: dict, live: bool):
     )
     yield Text(
         f"  produced {r['produced_images_per_s']:.0f} img/s, consumed {r['consumed_images_per_s']:.0f} img/s; "
-        f"workers {w['busy']}/{w['count']} busy{_auto_text(w.get('auto'))}, {w['restarts']} restarts; "
+        f"workers {w['busy']}/{w['count']} busy{_auto_text(w.get('auto'), w.get('budget'))}, {w['restarts']} restarts; "
         f"{s['totals']['bad_samples']} bad samples replaced"
         + ("; BACKING OFF: the tmpfs is full" if s.get("backing_off_no_space") else "")
     )
@@ -122,11 +122,18 @@ def _job(s: dict, live: bool):
         yield _workers_table(w)
 
 
-def _auto_text(auto: dict | None) -> str:
-    """With --workers auto: the bounds and how often the count moved."""
-    if not auto:
-        return ""
-    return f" (auto {auto['min']}-{auto['max']}, {auto['changes']} change{'s' if auto['changes'] != 1 else ''})"
+def _auto_text(auto: dict | None, budget: dict | None) -> str:
+    """With --workers auto, its bounds and how often the count moved; with a node CPU budget,
+    this job's lease of it (or why it cannot be settled)."""
+    parts = []
+    if auto:
+        parts.append(f"auto {auto['min']}-{auto['max']}, {auto['changes']} change{'s' if auto['changes'] != 1 else ''}")
+    if budget:
+        parts.append(
+            f"node budget {budget['lease']} of {budget['cpus']} CPUs over {budget['jobs']} job(s)"
+            + (f", NOT SETTLED: {budget['refused']}" if budget.get("refused") else "")
+        )
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def _store_lines(store: dict):

@@ -26,6 +26,8 @@ log = logging.getLogger("prefetchd")
 SETTLE_S = 0.2  # how often a daemon settles its lease; at most every SETTLE_WANTING_S while it wants more
 SETTLE_WANTING_S = 0.04  # under the loop's tick: a wanted CPU is asked for every turn
 _LOCK_WAIT_S = 0.05  # one try at the lock; a daemon that cannot get it keeps its lease until the next
+_LOCK_STUCK_S = 2.0  # a lock taken this long is no settle: the daemon holding it is stopped or hung
+REFUSED_ALONE_S = 10.0  # leases that cannot be settled this long: the daemon goes on alone within --node-cpus
 
 
 class NodeBudget:
@@ -34,51 +36,75 @@ class NodeBudget:
         me = psutil.Process()
         self.pid, self.started = me.pid, round(me.create_time(), 3)
         self.key = leasefile.key_of(self.pid, self.started)
-        self.lease = 0
+        self.allowed = 0  # workers it may keep busy: its share, within the CPUs nobody else leases
+        self.lease = 0  # what the file says it holds: allowed, or more while busy workers finish
+        self.used = 0.0  # CPU-seconds leased so far: turns, when more jobs want a CPU than there are
         self.jobs = 1  # daemons sharing the budget, at the last settle
-        self.refused: str | None = None  # why the files are not used (then alone, within ``cpus``)
+        self.refused: str | None = None  # why the files cannot be used now (None: shared)
+        self._shared = False  # shared at least once: a later refusal keeps what it had
+        self._refused_since = 0.0
+        self._lock_busy_since = 0.0  # when a settle first found the lock taken, 0: it did not
+        self._distrust_until = 0.0  # after leases that did not read: no growth until each daemon wrote again
         self._next = self._last = 0.0  # the next settle due, the last one made
 
-    def settle(self, now: float, busy: int, demand: int, starving: bool) -> int:
-        """This daemon's lease after this turn: how many of its workers may be busy."""
-        wanting = demand > self.lease  # asked for at once (a tick apart): a task waits on it
+    def settle(self, now: float, busy: int, demand: int, starving: bool) -> None:
+        """Settle this daemon's lease with the others' (at most every SETTLE_S, or every
+        SETTLE_WANTING_S while it wants more); ``allowed`` is then what it may keep busy."""
+        wanting = demand > self.allowed  # asked for at once (a tick apart): a task waits on it
         if now < self._next and not (wanting and now >= self._last + SETTLE_WANTING_S):
-            return self.lease
+            return
+        self.used += self.lease * (now - self._last) if self._last else 0.0
         self._next, self._last = now + SETTLE_S, now
-        if self.refused is not None:
-            self.lease = max(busy, min(self.cpus, demand))
-            return self.lease
         try:
             with leasefile.locked(self.root, _LOCK_WAIT_S) as folder:
-                if folder is None:
-                    return self.lease  # another daemon is settling: this one keeps its lease for now
-                others = {k: e for k, e in leasefile.read_live(folder).items() if k != self.key}
-                mine = Claim(self.key, demand, starving, self.weight)
-                claims = [Claim(k, e["demand"], e["starving"], e.get("weight", 1.0)) for k, e in others.items()]
-                share = divide([*claims, mine], self.cpus)[self.key]
-                room = self.cpus - sum(e["lease"] for e in others.values())
-                self.lease = max(busy, min(share, room))  # grow into free CPUs only; shrink as workers finish
+                if folder is None:  # another daemon is settling, or one stopped while it held the lock
+                    self._lock_busy_since = self._lock_busy_since or now
+                    if now - self._lock_busy_since > _LOCK_STUCK_S:
+                        self._stay(now, busy, demand, f"another process has held its lock for over {_LOCK_STUCK_S:g} s")
+                    return
+                self._lock_busy_since = 0.0
+                leases, readable = leasefile.read_live(folder, self.root)
+                if not readable:  # the others' leases are unknown until each writes again: take no more
+                    log.warning("the CPU budget's leases did not read as leases; they are written afresh")
+                    self._distrust_until = now + 2 * SETTLE_S
+                others = {k: e for k, e in leases.items() if k != self.key}
+                claims = [Claim(k, e["demand"], e["starving"], e["weight"], e["used"]) for k, e in others.items()]
+                share = divide([*claims, Claim(self.key, demand, starving, self.weight, self.used)], self.cpus)
+                allowed = min(share[self.key], self.cpus - sum(e["lease"] for e in others.values()))
+                self.allowed = max(0, min(allowed, self.allowed) if now < self._distrust_until else allowed)
+                self.lease = max(busy, self.allowed)  # busy workers beyond it finish their batch first
                 self.jobs = 1 + len(others)
                 entry = {"pid": self.pid, "started": self.started, "job": self.job, "lease": self.lease}
                 entry |= {"busy": busy, "demand": demand, "starving": starving, "weight": self.weight}
-                leasefile.write(folder, {**others, self.key: entry})
+                leasefile.write(folder, {**others, self.key: entry | {"used": round(self.used, 3)}})
         except (leasefile.Refused, JobError, OSError) as exc:
-            self.refused = str(exc)
-            log.warning(
-                "the node's CPU budget is not shared: %s; this job keeps to --node-cpus %d alone", exc, self.cpus
-            )
-            self.lease = max(busy, min(self.cpus, demand))
-        return self.lease
+            self._stay(now, busy, demand, str(exc))
+            return
+        if self.refused is not None:
+            log.info("the node's CPU budget is shared again")
+        self.refused, self._shared = None, True
+
+    def _stay(self, now: float, busy: int, demand: int, why: str) -> None:
+        """The leases cannot be settled now (their files refused, a full filesystem, a lock held):
+        a daemon that shared keeps what it had, taking no more, for REFUSED_ALONE_S; one that
+        never could, or past that, goes on alone within ``cpus``. Tried again at each settle."""
+        if self.refused is None:
+            self._refused_since = now
+            log.warning("the node's CPU budget cannot be settled (%s); trying again", why)
+        self.refused = why
+        if not self._shared or now - self._refused_since > REFUSED_ALONE_S:
+            self.allowed = min(self.cpus, demand)
+        self.lease = max(busy, self.allowed)
 
     def leave(self) -> None:
         """Give the lease back (the daemon stops); best effort: a dead daemon's lapses anyway."""
-        if self.refused is not None:
-            return
         with contextlib.suppress(leasefile.Refused, JobError, OSError), leasefile.locked(self.root, 1.0) as folder:
             if folder is not None:
-                leasefile.write(folder, {k: e for k, e in leasefile.read_live(folder).items() if k != self.key})
+                leases, _ = leasefile.read_live(folder, self.root)
+                leasefile.write(folder, {k: e for k, e in leases.items() if k != self.key})
 
     def snapshot(self) -> dict:
         return {
-            "cpus": self.cpus, "lease": self.lease, "jobs": self.jobs, "weight": self.weight, "refused": self.refused
+            "cpus": self.cpus, "lease": self.lease, "allowed": self.allowed, "jobs": self.jobs, "weight": self.weight,
+            "refused": self.refused,
         }

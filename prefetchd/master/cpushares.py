@@ -6,11 +6,14 @@ A job asks for ``demand`` workers (what it could keep busy now) and says whether
 trainers *starves* (waits for a batch). The budget goes to starving jobs first, then to the rest;
 within each tier by weighted max-min fairness: one CPU at a time to the job with the fewest per
 unit of ``weight`` among those that want more, so equal weights get equal shares when all want
-more than their share, and what a job does not want goes to the others.
+more than their share, and what a job does not want goes to the others. Where that ties (more
+jobs want a CPU than there are CPUs), the job that has had the least CPU time per unit of weight
+(``used``) goes first: jobs take turns, batch by batch, instead of one of them forever.
 """
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 
@@ -20,19 +23,21 @@ class Claim:
     demand: int  # workers it could keep busy now
     starving: bool  # a trainer of it waits for a batch
     weight: float = 1.0  # --cpu-weight
+    used: float = 0.0  # CPU-seconds leased so far
 
 
 def divide(claims: list[Claim], cpus: int) -> dict[str, int]:
-    """Each claim's share of ``cpus`` (keys as given; 0 for a claim that wants none)."""
+    """Each claim's share of ``cpus`` (keys as given; 0 for a claim that wants none). O(cpus log jobs)."""
     shares = {c.key: 0 for c in claims}
     left = cpus
     for tier in ([c for c in claims if c.starving], [c for c in claims if not c.starving]):
-        wanting = sorted((c for c in tier if c.demand > 0), key=lambda c: c.key)
-        while left > 0 and wanting:
-            # The fewest per unit of weight first; ties by key, so every daemon divides alike.
-            claim = min(wanting, key=lambda c: (shares[c.key] / c.weight, c.key))
-            shares[claim.key] += 1
+        # The fewest per unit of weight first, then the least used; ties by key: every daemon divides alike.
+        heap = [(0.0, c.used / c.weight, c.key, c) for c in tier if c.demand > 0]
+        heapq.heapify(heap)
+        while left > 0 and heap:
+            _, used, key, claim = heapq.heappop(heap)
+            shares[key] += 1
             left -= 1
-            if shares[claim.key] >= claim.demand:
-                wanting.remove(claim)
+            if shares[key] < claim.demand:
+                heapq.heappush(heap, (shares[key] / claim.weight, used, key, claim))
     return shares

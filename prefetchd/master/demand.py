@@ -33,15 +33,17 @@ class Demand:
         self.budget = NodeBudget(root, cpus, config.cpu_weight, config.name) if shares else None
 
     def may_start(self, busy: int) -> bool:
-        """Whether a local worker may take a task while ``busy`` of them make one (the lease)."""
-        return self.budget is None or busy < self.budget.lease
+        """Whether a local worker may take a task while ``busy`` of them make one: within the
+        CPUs the budget allows now (a lease beyond it is given back as those workers finish)."""
+        return self.budget is None or busy < self.budget.allowed
 
-    def turn(self, now: float) -> None:
+    def turn(self, now: float, paused: bool) -> None:
+        """``paused``: production waits (a full tmpfs, a store's outage): it asks for no CPU."""
         serving = self.pool.serving
         busy = sum(s.task is not None for s in serving)
         starving, more_work = self.scheduler.starving, self.scheduler.next_task() is not None
         if self.budget is not None:
-            self.budget.settle(now, busy, self.most if more_work else busy, starving)
+            self.budget.settle(now, busy, self.most if more_work and not paused else busy, starving)
         if self.autoscale is None:
             return
         self.pool.remove_retired(now)

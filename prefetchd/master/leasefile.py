@@ -1,8 +1,9 @@
 """The file the daemons of one root keep their CPU leases in (master/cpubudget.py):
 ``<root>/.cpus/leases.json`` (no job's name starts with a dot), read and replaced whole under
 ``flock`` of ``<root>/.cpus/lock``. Only plain files of this user's are used (Refused for a
-symlink, a FIFO, another owner's); leases that do not read as leases count as none, and a lease
-whose daemon is gone (its pid, started at that time: a reused pid is not it) is dropped."""
+symlink, a FIFO, another owner's); leases that do not read as leases count as none (and the
+reader is told), and a lease is dropped unless its daemon runs: that pid, started at that time
+(a reused pid is not it), named by its job's manifest under the root."""
 
 from __future__ import annotations
 
@@ -19,7 +20,9 @@ import psutil
 
 from prefetchd.master.jobdir import ensure_private_dir
 from prefetchd_client.folders import is_private
+from prefetchd_client.layout import JobPaths, check_job_name
 from prefetchd_client.locks import flock_within
+from prefetchd_client.manifest import read_manifest
 
 log = logging.getLogger("prefetchd")
 
@@ -28,6 +31,7 @@ _LEASES, _LOCK = "leases.json", "lock"
 _MAX_BYTES = 1 << 20  # leases of thousands of jobs; more is no file of ours
 _FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _ENTRY = {"pid": int, "started": float, "job": str, "lease": int, "busy": int, "demand": int, "starving": bool}
+_ENTRY |= {"weight": float, "used": float}
 
 
 class Refused(Exception):
@@ -49,12 +53,13 @@ def locked(root: Path, wait_s: float):
         os.close(folder)
 
 
-def read_live(folder: int) -> dict[str, dict]:
-    """The leases whose daemons still run; none when the file is absent or does not read as leases."""
+def read_live(folder: int, root: Path) -> tuple[dict[str, dict], bool]:
+    """The leases whose daemons still run, and whether the file read as leases (absent: it did;
+    the lease of another's crash-free first start is no loss)."""
     try:
         fd = _open_ours(_LEASES, os.O_RDONLY, folder)
     except FileNotFoundError:
-        return {}
+        return {}, True
     try:
         data = os.read(fd, _MAX_BYTES + 1)
     finally:
@@ -64,20 +69,28 @@ def read_live(folder: int) -> dict[str, dict]:
     except (ValueError, RecursionError):
         leases = None
     if not isinstance(leases, dict):
-        log.warning("the CPU budget's leases did not read as leases; starting them afresh")
-        return {}
-    return {k: e for k, e in leases.items() if _is_entry(e) and k == key_of(e["pid"], e["started"]) and _alive(e)}
+        return {}, False
+    return {
+        k: e for k, e in leases.items() if _is_entry(e) and k == key_of(e["pid"], e["started"]) and _alive(e, root)
+    }, True
 
 
 def write(folder: int, leases: dict[str, dict]) -> None:
     """All at once: a new file renamed over the old, so a kill mid-write leaves the old whole."""
     tmp = f"{_LEASES}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _FLAGS, 0o600, dir_fd=folder)
     try:
-        os.write(fd, json.dumps(leases).encode())
-    finally:
-        os.close(fd)
-    os.rename(tmp, _LEASES, src_dir_fd=folder, dst_dir_fd=folder)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _FLAGS, 0o600, dir_fd=folder)
+        try:
+            data = json.dumps(leases).encode()
+            if os.write(fd, data) != len(data):  # a full tmpfs can take part of it
+                raise OSError(errno.ENOSPC, "the leases were written in part")
+        finally:
+            os.close(fd)
+        os.rename(tmp, _LEASES, src_dir_fd=folder, dst_dir_fd=folder)
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp, dir_fd=folder)
+        raise
 
 
 def key_of(pid: int, started: float) -> str:
@@ -100,22 +113,27 @@ def _open_ours(name: str, flags: int, folder: int) -> int:
     return fd
 
 
+_MOST = 4096  # CPUs, busy workers or demand a lease may name (settings' --node-cpus bound)
+
+
 def _is_entry(entry) -> bool:
     if not isinstance(entry, dict) or not all(type(entry.get(k)) is t for k, t in _ENTRY.items()):
         return False
-    weight = entry.get("weight", 1.0)
     return (
-        type(weight) in (int, float)
-        and 0 < weight < 1e6
-        and all(0 <= entry[k] < 1 << 20 for k in ("lease", "busy", "demand"))
+        0 < entry["weight"] <= 1000
+        and 0 <= entry["used"] < 1e12
+        and all(0 <= entry[k] <= _MOST for k in ("lease", "busy", "demand"))
         and 0 < entry["pid"] < 1 << 31
     )
 
 
-def _alive(entry: dict) -> bool:
-    """Whether the lease's daemon still runs: that pid, started then (not a reused pid)."""
+def _alive(entry: dict, root: Path) -> bool:
+    """Whether the lease's daemon still runs: that pid, started then (not a reused pid), and the
+    daemon its job's manifest under this root names (not any process that happens to live)."""
     try:
         process = psutil.Process(entry["pid"])
-        return abs(process.create_time() - entry["started"]) < 0.01 and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
+        if abs(process.create_time() - entry["started"]) >= 0.01 or process.status() == psutil.STATUS_ZOMBIE:
+            return False
+        return read_manifest(JobPaths(root / check_job_name(entry["job"]))).get("pid") == entry["pid"]
+    except (psutil.Error, OSError, ValueError):
         return False

@@ -355,9 +355,12 @@ class WorkerPool:
         """Bury the workers resize stopped once they have exited (killed, should one not within
         _WORKER_STOP_TIMEOUT_S): no death, no replacement, their object-store counters kept."""
         for slot in [s for s in self.slots if s.retiring is not None]:
-            if slot.process.is_alive() and now - slot.retiring > _WORKER_STOP_TIMEOUT_S:
+            if slot.process.is_alive() and now - slot.retiring > _WORKER_STOP_TIMEOUT_S and not slot.hung:
                 log.warning("worker pid %d did not stop in time; killing it", slot.pid)
+                slot.hung = True  # killed once: its death is all that is awaited
                 slot.process.kill()
+            elif slot.hung and slot.process.is_alive() and workerserver.unstick():  # its death cannot be reported
+                log.warning("the fork server was stopped (SIGSTOP); killed it, its workers are replaced")
             if not slot.process.is_alive():
                 slot.process.join()
                 self.bury(slot)

@@ -45,3 +45,20 @@ def test_never_more_than_the_budget_nor_than_asked_and_the_same_in_any_order(raw
     starved = [c for c in claims if c.starving]
     if any(shares[c.key] < c.demand for c in starved):  # a starving job short of its demand:
         assert all(shares[c.key] == 0 for c in claims if not c.starving)  # nothing went to the others
+
+
+def test_more_starving_jobs_than_cpus_take_turns_by_the_cpu_time_they_had():
+    first = divide([Claim("a", 1, True), Claim("b", 1, True)], 1)
+    assert first == {"a": 1, "b": 0}  # equal so far: by key
+    assert divide([Claim("a", 1, True, used=3.0), Claim("b", 1, True, used=1.0)], 1) == {"a": 0, "b": 1}
+    heavy = [Claim("a", 1, True, weight=4.0, used=3.0), Claim("b", 1, True, used=1.0)]
+    assert divide(heavy, 1) == {"a": 1, "b": 0}  # 3/4 of a weighted second is less than 1
+
+
+def test_a_huge_budget_and_demands_divide_quickly():
+    import time
+
+    claims = [Claim(f"j{i}", 4096, i % 2 == 0) for i in range(2000)]
+    began = time.perf_counter()
+    shares = divide(claims, 4096)
+    assert sum(shares.values()) == 4096 and time.perf_counter() - began < 2.0

@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 
+import psutil
 import pytest
 
 from prefetchd.master.leasefile import FOLDER
@@ -69,7 +70,7 @@ def test_two_jobs_never_lease_more_than_the_budget_and_a_killed_one_gives_it_bac
     cli("stop", "b")  # removes the killed job's folder
 
 
-@pytest.mark.parametrize("planted", ["symlink", "fifo", "garbage", "a dead daemon's lease"])
+@pytest.mark.parametrize("planted", ["symlink", "fifo", "garbage", "a lease of a process no job runs"])
 def test_lease_files_that_are_not_ours_or_not_leases_stop_nothing(job_root, tmp_path, jpeg_folder, planted):
     folder = job_root / FOLDER
     folder.mkdir(mode=0o700)
@@ -81,9 +82,10 @@ def test_lease_files_that_are_not_ours_or_not_leases_stop_nothing(job_root, tmp_
         os.mkfifo(target, 0o600)
     elif planted == "garbage":
         target.write_bytes(b"\xff\xfe{" * 1000)
-    else:  # pid 1 never started at that time: not alive, its lease holds nothing back
-        target.write_text(json.dumps({"1-12.0": {"pid": 1, "started": 12.0, "job": "x", "lease": 8, "busy": 8,
-                                                  "demand": 8, "starving": True}}))
+    else:  # pid 1, with its true start time: alive, but no daemon of a job here; its lease holds nothing back
+        started = round(psutil.Process(1).create_time(), 3)
+        entry = {"pid": 1, "started": started, "job": "x", "lease": 1, "busy": 1, "demand": 8, "starving": True}
+        target.write_text(json.dumps({f"1-{started}": entry | {"weight": 0.001, "used": 0.0}}))
     config = write_config(tmp_path, jpeg_folder, name="planted", workers=1, buffer="256K", size=32)
     paths = start_job(config, "--node-cpus", "1")
     out = []
@@ -92,7 +94,7 @@ def test_lease_files_that_are_not_ours_or_not_leases_stop_nothing(job_root, tmp_
     budget = job_status(paths)["workers"]["budget"]
     if planted in ("symlink", "fifo"):
         assert budget["refused"] and ("symlink" in budget["refused"] or "not a plain file" in budget["refused"])
-        assert "the node's CPU budget is not shared" in paths.log.read_text()
+        assert "the node's CPU budget cannot be settled" in paths.log.read_text()
         assert (tmp_path / "elsewhere.json").read_text() == "{}" if planted == "symlink" else True
     else:
         assert budget["refused"] is None
@@ -101,3 +103,67 @@ def test_lease_files_that_are_not_ours_or_not_leases_stop_nothing(job_root, tmp_
     assert cli("stop", "planted").returncode == 0
     if planted != "symlink" and planted != "fifo":
         wait_until(lambda: leases(job_root) == {}, 5, what="the stopped daemon's lease to be given back")
+
+
+def test_more_hungry_jobs_than_cpus_take_turns(job_root, tmp_path, jpeg_folder):
+    """Three jobs whose trainers all wait, one CPU: each gets it in turn, none is starved for good
+    (a worker that finishes a batch does not keep the CPU its job's share no longer holds)."""
+    for name in ("x", "y", "z"):
+        config = write_config(tmp_path, jpeg_folder, name=name, workers='"auto"', buffer="1M", size=128)
+        start_job(config, "--max-workers", "1", "--node-cpus", "1")
+    read = {name: [] for name in ("x", "y", "z")}
+    errors = []
+
+    others_done = threading.Event()
+
+    def trainer(name: str) -> None:
+        try:
+            loader = PrefetchLoader(name, as_tensors=False, rank=0, world_size=1, timeout=20)
+            for _ in range(4):
+                read[name].extend(int(b["index"][0]) for b in loader)
+            while name == "x" and not others_done.is_set() and not errors:  # x goes on wanting the CPU
+                read[name].extend(int(b["index"][0]) for b in loader)
+            loader.close()
+        except Exception as exc:  # noqa: BLE001 - a BatchTimeout: that job was starved
+            errors.append(f"{name}: {exc}")
+
+    trainers = {name: threading.Thread(target=trainer, args=(name,)) for name in read}
+    trainers["x"].start()  # x holds the CPU first, busy batch after batch, when the others come
+    wait_until(lambda: len(read["x"]) >= 6 or errors, 30, what="x's first batches")
+    trainers["y"].start()
+    trainers["z"].start()
+    for name in ("y", "z"):
+        trainers[name].join(100)
+    others_done.set()
+    trainers["x"].join(100)
+    assert not errors and all(len(r) >= 4 * 12 for r in read.values()), errors
+    for name in read:
+        assert cli("stop", name).returncode == 0
+
+
+def test_a_lock_held_for_good_or_a_folder_opened_to_others_for_a_while_stops_nothing(job_root, tmp_path, jpeg_folder):
+    """A process that keeps the budget's lock (a daemon stopped mid-settle): a new daemon serves
+    alone after a moment, and says why. Its folder made writable by others, then mended: refused
+    meanwhile (what it had kept, never more), shared again after."""
+    import fcntl
+
+    folder = job_root / FOLDER
+    folder.mkdir(mode=0o700)
+    with open(folder / "lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        config = write_config(tmp_path, jpeg_folder, name="held", workers=1, buffer="256K", size=32)
+        paths = start_job(config, "--node-cpus", "1")
+        out = []
+        read_epochs("held", 1, out)
+        assert len(out) == 12
+        assert "another process has held its lock" in job_status(paths)["workers"]["budget"]["refused"]
+    settled = lambda: job_status(paths)["workers"]["budget"]["refused"] is None  # noqa: E731
+    wait_until(settled, 5, what="shared once the lock is free")
+    folder.chmod(0o777)
+    wait_until(lambda: "writable by others" in (job_status(paths)["workers"]["budget"]["refused"] or ""), 5,
+               what="the open folder refused")
+    folder.chmod(0o700)
+    wait_until(settled, 5, what="shared again")
+    log = paths.log.read_text()
+    assert log.count("cannot be settled") == 2 and log.count("shared again") == 2
+    assert cli("stop", "held").returncode == 0
