@@ -47,7 +47,7 @@ class NodeBudget:
         self._distrust_until = 0.0  # after leases that did not read: no growth until each daemon wrote again
         self._next = self._last = 0.0  # the next settle due, the last one made
 
-    def settle(self, now: float, busy: int, demand: int, starving: bool) -> None:
+    def settle(self, now: float, busy: int, demand: int, ahead: int) -> None:
         """Settle this daemon's lease with the others' (at most every SETTLE_S, or every
         SETTLE_WANTING_S while it wants more); ``allowed`` is then what it may keep busy."""
         wanting = demand > self.allowed  # asked for at once (a tick apart): a task waits on it
@@ -68,14 +68,14 @@ class NodeBudget:
                     log.warning("the CPU budget's leases did not read as leases; they are written afresh")
                     self._distrust_until = now + 2 * SETTLE_S
                 others = {k: e for k, e in leases.items() if k != self.key}
-                claims = [Claim(k, e["demand"], e["starving"], e["weight"], e["used"]) for k, e in others.items()]
-                share = divide([*claims, Claim(self.key, demand, starving, self.weight, self.used)], self.cpus)
+                claims = [Claim(k, e["demand"], e["ahead"], e["weight"], e["used"]) for k, e in others.items()]
+                share = divide([*claims, Claim(self.key, demand, ahead, self.weight, self.used)], self.cpus)
                 allowed = min(share[self.key], self.cpus - sum(e["lease"] for e in others.values()))
                 self.allowed = max(0, min(allowed, self.allowed) if now < self._distrust_until else allowed)
                 self.lease = max(busy, self.allowed)  # busy workers beyond it finish their batch first
                 self.jobs = 1 + len(others)
                 entry = {"pid": self.pid, "started": self.started, "job": self.job, "lease": self.lease}
-                entry |= {"busy": busy, "demand": demand, "starving": starving, "weight": self.weight}
+                entry |= {"busy": busy, "demand": demand, "ahead": ahead, "weight": self.weight}
                 leasefile.write(folder, {**others, self.key: entry | {"used": round(self.used, 3)}})
         except (leasefile.Refused, JobError, OSError) as exc:
             self._stay(now, busy, demand, str(exc))

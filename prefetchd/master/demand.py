@@ -16,6 +16,7 @@ from pathlib import Path
 from prefetchd.config import Config
 from prefetchd.master.autoscale import AutoWorkers
 from prefetchd.master.cpubudget import NodeBudget
+from prefetchd.master.cpushares import LOW_AHEAD
 from prefetchd.master.pool import WorkerPool
 from prefetchd.master.scheduler import Scheduler
 from prefetchd.settings import default_workers
@@ -41,9 +42,10 @@ class Demand:
         """``paused``: production waits (a full tmpfs, a store's outage): it asks for no CPU."""
         serving = self.pool.serving
         busy = sum(s.task is not None for s in serving)
-        starving, more_work = self.scheduler.starving, self.scheduler.next_task() is not None
+        ahead, more_work = self.scheduler.ready_ahead(LOW_AHEAD), self.scheduler.next_task() is not None
+        starving = ahead == 0
         if self.budget is not None:
-            self.budget.settle(now, busy, self.most if more_work and not paused else busy, starving)
+            self.budget.settle(now, busy, self.most if more_work and not paused else busy, ahead)
         if self.autoscale is None:
             return
         self.pool.remove_retired(now)

@@ -30,7 +30,7 @@ FOLDER = ".cpus"
 _LEASES, _LOCK = "leases.json", "lock"
 _MAX_BYTES = 1 << 20  # leases of thousands of jobs; more is no file of ours
 _FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_ENTRY = {"pid": int, "started": float, "job": str, "lease": int, "busy": int, "demand": int, "starving": bool}
+_ENTRY = {"pid": int, "started": float, "job": str, "lease": int, "busy": int, "demand": int, "ahead": int}
 _ENTRY |= {"weight": float, "used": float}
 
 
@@ -122,7 +122,7 @@ def _is_entry(entry) -> bool:
     return (
         0 < entry["weight"] <= 1000
         and 0 <= entry["used"] < 1e12
-        and all(0 <= entry[k] <= _MOST for k in ("lease", "busy", "demand"))
+        and all(0 <= entry[k] <= _MOST for k in ("lease", "busy", "demand", "ahead"))
         and 0 < entry["pid"] < 1 << 31
     )
 

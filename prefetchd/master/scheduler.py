@@ -73,10 +73,14 @@ class Scheduler:
     def full(self) -> bool:
         return self.held + self.reserved >= self.capacity
 
-    @property
-    def starving(self) -> bool:
-        """Whether a rank's next batch is not ready: its trainer waits, or will when it asks."""
-        return any(not state.parked and state.position not in state.ready for state in self.ranks.values())
+    def ready_ahead(self, most: int) -> int:
+        """The fewest batches ready from a rank's position on, counted up to ``most`` (0: a trainer
+        waits, or will when it asks; ``most`` when no rank is served)."""
+        fewest = most
+        for state in self.ranks.values():
+            if not state.parked:
+                fewest = min(fewest, next((i for i in range(fewest) if state.position + i not in state.ready), fewest))
+        return fewest
 
     def next_task(self) -> tuple[int, int] | None:
         """(rank, index) of the most urgent missing batch, or None when full or all windows are full."""
