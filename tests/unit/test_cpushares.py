@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 from prefetchd.master.cpushares import LOW_AHEAD, Claim, divide
 
 
-def test_starving_jobs_are_served_first_then_those_about_to_and_the_rest_gets_what_is_left():
-    claims = [Claim("filling", 8, 9), Claim("low", 1, 1), Claim("waits", 2, 0)]
-    assert divide(claims, 4) == {"waits": 2, "low": 1, "filling": 1}
+def test_jobs_about_to_wait_share_with_those_that_wait():
+    claims = [Claim("filling", 8, 9), Claim("low", 2, 1), Claim("waits", 8, 0)]
+    assert divide(claims, 4) == {"waits": 2, "low": 2, "filling": 0}
 
 
 def test_starving_jobs_are_served_first_and_the_rest_gets_what_is_left():
@@ -47,9 +47,8 @@ def test_never_more_than_the_budget_nor_than_asked_and_the_same_in_any_order(raw
     shuffled = claims[:]
     random.Random(len(raw)).shuffle(shuffled)
     assert divide(shuffled, cpus) == shares  # every daemon computes the same division
-    for tier in range(LOW_AHEAD):  # a job of a more urgent tier short of its demand: nothing went to a later one
-        if any(shares[c.key] < c.demand for c in claims if min(c.ahead, LOW_AHEAD) == tier):
-            assert all(shares[c.key] == 0 for c in claims if min(c.ahead, LOW_AHEAD) > tier)
+    if any(shares[c.key] < c.demand for c in claims if c.ahead < LOW_AHEAD):  # one that waits, short:
+        assert all(shares[c.key] == 0 for c in claims if c.ahead >= LOW_AHEAD)  # nothing went to filling
 
 
 def test_more_starving_jobs_than_cpus_take_turns_by_the_cpu_time_they_had():
