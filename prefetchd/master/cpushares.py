@@ -10,8 +10,9 @@ waits (production-bound) would otherwise keep every CPU from a slow one, which w
 at every step for a batch made only once it waits. Within each tier by weighted max-min
 fairness: one CPU at a time to the job with the fewest per unit of ``weight`` among those that
 want more, so equal weights get equal shares when all want more than their share, and what a job
-does not want goes to the others. Where that ties (more jobs want a CPU than there are CPUs), the job that has had the least CPU time per unit of weight
-(``used``) goes first: jobs take turns, batch by batch, instead of one of them forever.
+does not want goes to the others. Where that ties (more jobs want a CPU than there are CPUs),
+the job that has had the least CPU time per unit of weight (``used``) goes first: jobs take
+turns, batch by batch, instead of one of them forever.
 """
 
 from __future__ import annotations
