@@ -3,12 +3,12 @@ daemon under one root, started together; three daemons of fixed --workers W agai
 --workers auto sharing a node budget of --node-cpus W. One run alternating the two, medians.
 
 Each trainer is a process of its own (random-resized-crop 224 + flip, batch 32, a folder of
-generated JPEGs of 300-500 px): the fast one reads --epochs epochs as fast as it can, the slow ones
---slow-batches batches with a step of --step-ms. Reported: each trainer's wait for data (its
+generated JPEGs of 300-500 px): the fast one reads --epochs epochs with a step of --fast-step-ms
+(0: as fast as it can), the slow ones --slow-batches batches with a step of --step-ms. Reported: each trainer's wait for data (its
 loader's wait_stats) and images/s, the total wait, and, for the shared budget, the most CPUs the
 daemons' leases held at once (read from the leases file through the run).
 
-    python scripts/bench_node.py [--images 400] [--workers 2] [--epochs 3] [--repeats 3]
+    python scripts/bench_node.py [--images 400] [--workers 2] [--epochs 3] [--repeats 3] [--fast-step-ms 0]
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def run_once(setup: str, work: Path, data: Path, args, env: dict) -> dict:
             fast = name == "fast"
             argv = [sys.executable, __file__, "--trainer", name, "--epochs", str(args.epochs if fast else 1000)]
             argv += ["--slow-batches", "0" if fast else str(args.slow_batches)]
-            argv += ["--step-ms", "0" if fast else str(args.step_ms)]
+            argv += ["--step-ms", str(args.fast_step_ms if fast else args.step_ms)]
             trainers[name] = subprocess.Popen(argv, env=run_env, stdout=subprocess.PIPE, text=True)
         result = {name: json.loads(p.communicate(timeout=600)[0]) for name, p in trainers.items()}
         done.set()
@@ -99,6 +99,7 @@ def main() -> None:
     parser = common_arguments(__doc__)
     parser.add_argument("--step-ms", type=float, default=300.0, help="the slow trainers' step")
     parser.add_argument("--slow-batches", type=int, default=30)
+    parser.add_argument("--fast-step-ms", type=float, default=0.0, help="the fast trainer's step (0: none)")
     parser.add_argument("--trainer", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.trainer:

@@ -47,12 +47,13 @@ class NodeBudget:
         self._distrust_until = 0.0  # after leases that did not read: no growth until each daemon wrote again
         self._next = self._last = 0.0  # the next settle due, the last one made
 
-    def settle(self, now: float, busy: int, demand: int, ahead: int) -> None:
-        """Settle this daemon's lease with the others' (at most every SETTLE_S, or every
-        SETTLE_WANTING_S while it wants more); ``allowed`` is then what it may keep busy."""
-        wanting = demand > self.allowed  # asked for at once (a tick apart): a task waits on it
-        if now < self._next and not (wanting and now >= self._last + SETTLE_WANTING_S):
-            return
+    def due(self, now: float, demand: int) -> bool:
+        """Whether to settle now: every SETTLE_S, or every SETTLE_WANTING_S while it wants more
+        than it is allowed (a task waits on it)."""
+        return now >= self._next or demand > self.allowed and now >= self._last + SETTLE_WANTING_S
+
+    def settle(self, now: float, busy: int, demand: int, runway_s: float) -> None:
+        """Settle this daemon's lease with the others'; ``allowed`` is then what it may keep busy."""
         self.used += self.lease * (now - self._last) if self._last else 0.0
         self._next, self._last = now + SETTLE_S, now
         try:
@@ -68,14 +69,14 @@ class NodeBudget:
                     log.warning("the CPU budget's leases did not read as leases; they are written afresh")
                     self._distrust_until = now + 2 * SETTLE_S
                 others = {k: e for k, e in leases.items() if k != self.key}
-                claims = [Claim(k, e["demand"], e["ahead"], e["weight"], e["used"]) for k, e in others.items()]
-                share = divide([*claims, Claim(self.key, demand, ahead, self.weight, self.used)], self.cpus)
+                claims = [Claim(k, e["demand"], e["runway_s"], e["weight"], e["used"]) for k, e in others.items()]
+                share = divide([*claims, Claim(self.key, demand, runway_s, self.weight, self.used)], self.cpus)
                 allowed = min(share[self.key], self.cpus - sum(e["lease"] for e in others.values()))
                 self.allowed = max(0, min(allowed, self.allowed) if now < self._distrust_until else allowed)
                 self.lease = max(busy, self.allowed)  # busy workers beyond it finish their batch first
                 self.jobs = 1 + len(others)
                 entry = {"pid": self.pid, "started": self.started, "job": self.job, "lease": self.lease}
-                entry |= {"busy": busy, "demand": demand, "ahead": ahead, "weight": self.weight}
+                entry |= {"busy": busy, "demand": demand, "runway_s": round(runway_s, 3), "weight": self.weight}
                 leasefile.write(folder, {**others, self.key: entry | {"used": round(self.used, 3)}})
         except (leasefile.Refused, JobError, OSError) as exc:
             self._stay(now, busy, demand, str(exc))

@@ -16,12 +16,15 @@ from pathlib import Path
 from prefetchd.config import Config
 from prefetchd.master.autoscale import AutoWorkers
 from prefetchd.master.cpubudget import NodeBudget
-from prefetchd.master.cpushares import LOW_AHEAD
+from prefetchd.master.cpushares import MAX_RUNWAY_S
 from prefetchd.master.pool import WorkerPool
 from prefetchd.master.scheduler import Scheduler
+from prefetchd.ops.status import Rates
 from prefetchd.settings import default_workers
 
 log = logging.getLogger("prefetchd")
+
+_AHEAD_COUNTED = 256  # batches ready ahead counted for the runway: more is minutes of any trainer
 
 
 class Demand:
@@ -38,14 +41,17 @@ class Demand:
         CPUs the budget allows now (a lease beyond it is given back as those workers finish)."""
         return self.budget is None or busy < self.budget.allowed
 
-    def turn(self, now: float, paused: bool) -> None:
-        """``paused``: production waits (a full tmpfs, a store's outage): it asks for no CPU."""
+    def turn(self, now: float, paused: bool, consumed: Rates) -> None:
+        """``paused``: production waits (a full tmpfs, a store's outage): it asks for no CPU.
+        ``consumed``: the batches the trainers took, for how long the ready ones last them."""
         serving = self.pool.serving
         busy = sum(s.task is not None for s in serving)
-        ahead, more_work = self.scheduler.ready_ahead(LOW_AHEAD), self.scheduler.next_task() is not None
-        starving = ahead == 0
-        if self.budget is not None:
-            self.budget.settle(now, busy, self.most if more_work and not paused else busy, ahead)
+        starving, more_work = self.scheduler.ready_ahead(1) == 0, self.scheduler.next_task() is not None
+        demand = self.most if more_work and not paused else busy
+        if self.budget is not None and self.budget.due(now, demand):
+            ahead, rate = self.scheduler.ready_ahead(_AHEAD_COUNTED), consumed.per_second(now)
+            runway = 0.0 if ahead == 0 else min(MAX_RUNWAY_S, ahead / rate) if rate > 0 else MAX_RUNWAY_S
+            self.budget.settle(now, busy, demand, runway)
         if self.autoscale is None:
             return
         self.pool.remove_retired(now)

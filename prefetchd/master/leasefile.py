@@ -18,6 +18,7 @@ from pathlib import Path
 
 import psutil
 
+from prefetchd.master.cpushares import MAX_RUNWAY_S
 from prefetchd.master.jobdir import ensure_private_dir
 from prefetchd_client.folders import is_private
 from prefetchd_client.layout import JobPaths, check_job_name
@@ -30,7 +31,7 @@ FOLDER = ".cpus"
 _LEASES, _LOCK = "leases.json", "lock"
 _MAX_BYTES = 1 << 20  # leases of thousands of jobs; more is no file of ours
 _FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_ENTRY = {"pid": int, "started": float, "job": str, "lease": int, "busy": int, "demand": int, "ahead": int}
+_ENTRY = {"pid": int, "started": float, "job": str, "lease": int, "busy": int, "demand": int, "runway_s": float}
 _ENTRY |= {"weight": float, "used": float}
 
 
@@ -122,7 +123,8 @@ def _is_entry(entry) -> bool:
     return (
         0 < entry["weight"] <= 1000
         and 0 <= entry["used"] < 1e12
-        and all(0 <= entry[k] <= _MOST for k in ("lease", "busy", "demand", "ahead"))
+        and all(0 <= entry[k] <= _MOST for k in ("lease", "busy", "demand"))
+        and 0 <= entry["runway_s"] <= MAX_RUNWAY_S
         and 0 < entry["pid"] < 1 << 31
     )
 

@@ -105,7 +105,7 @@ class Master:
         self.intake.check_trainers(now, self._trainer_gone)
         self.buffer.free_retired(now)
         self.assign_tasks(now)
-        self.demand.turn(now, self.pauses.waiting(now))  # the workers' count (--workers auto), the node budget
+        self.demand.turn(now, self.pauses.waiting(now), self.consume_rate)  # --workers auto, the node budget
         self.metrics.answer(self.status)  # /metrics scrapes waiting: their snapshot is taken on this thread
 
     def _wait_for_descriptors(self, exc: OSError) -> None:

@@ -84,7 +84,7 @@ def test_lease_files_that_are_not_ours_or_not_leases_stop_nothing(job_root, tmp_
         target.write_bytes(b"\xff\xfe{" * 1000)
     else:  # pid 1, with its true start time: alive, but no daemon of a job here; its lease holds nothing back
         started = round(psutil.Process(1).create_time(), 3)
-        entry = {"pid": 1, "started": started, "job": "x", "lease": 1, "busy": 1, "demand": 8, "ahead": 0}
+        entry = {"pid": 1, "started": started, "job": "x", "lease": 1, "busy": 1, "demand": 8, "runway_s": 0.0}
         target.write_text(json.dumps({f"1-{started}": entry | {"weight": 0.001, "used": 0.0}}))
     config = write_config(tmp_path, jpeg_folder, name="planted", workers=1, buffer="256K", size=32)
     paths = start_job(config, "--node-cpus", "1")
