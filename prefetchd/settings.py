@@ -297,7 +297,7 @@ SETTINGS: tuple[Setting, ...] = (
         "daemon", "cpu_weight", (float, int),
         help="this job's weight when jobs that all wait divide --node-cpus",
         default=1.0,
-        rules=((lambda v: 0 < v <= 1000, "a number above 0, at most 1000"),),
+        rules=((lambda v: 0.01 <= v <= 100, "a number from 0.01 to 100"),),
         type_text="number",
     ),
     Setting(

@@ -9,10 +9,11 @@ what the master sees each turn, without any report from the trainer:
   waits, or will when it asks), every worker is busy and a batch could be started (the window
   is not full): one more every ``GROW_EVERY_S``, so a trainer that outruns the pool gets the
   workers it needs within seconds.
-- **Shrink** when, for a whole ``SHRINK_WINDOW_S`` with no trainer starving, at least one
-  worker was idle at every turn: half of the workers never needed together in that window go
-  (at least one). A trainer slower than production leaves the window full and workers idle; they
-  end, and their memory is the system's again. Any starving turn restarts the window.
+- **Shrink** when, for a whole ``SHRINK_WINDOW_S``, at least one worker was idle at every turn:
+  half of the workers never needed together in that window go (at least one). A trainer slower
+  than production leaves the window full and workers idle; they end, and their memory is the
+  system's again. Workers idle while a trainer waits go too: they could start nothing (the node's
+  CPU budget gives the job fewer, production is paused). A turn that grows restarts the window.
 
 Which batches are made, and their bytes, do not depend on the count: determinism is untouched.
 """
@@ -40,12 +41,13 @@ class AutoWorkers:
         a task; ``starving``: a rank's next batch is not ready; ``more_work``: the scheduler
         would start a batch now if a worker were free."""
         idle = max(0, workers - busy)
-        if starving:
+        if starving and idle == 0 and more_work:
             self._restart_window(now)
-            if idle == 0 and more_work and self.target < self.high and now - self._last_grow >= GROW_EVERY_S:
+            if self.target < self.high and now - self._last_grow >= GROW_EVERY_S:
                 self._last_grow = now
                 self._change(self.target + 1, "a trainer waits and every worker is busy")
             return self.target
+        # Idle workers while a trainer waits could start nothing (the node budget, a pause): they go too.
         self._least_idle = min(self._least_idle, idle)
         if now - self._window_start >= SHRINK_WINDOW_S:
             spare = self._least_idle
@@ -53,7 +55,7 @@ class AutoWorkers:
             if spare >= 1 and self.target > self.low:
                 self._change(
                     max(self.low, self.target - max(1, spare // 2)),
-                    f"no trainer waited for {SHRINK_WINDOW_S:g} s and {spare} worker(s) stayed idle",
+                    f"{spare} worker(s) stayed idle for {SHRINK_WINDOW_S:g} s",
                 )
         return self.target
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import time
 from pathlib import Path
 
 import psutil
@@ -28,6 +30,10 @@ SETTLE_WANTING_S = 0.04  # under the loop's tick: a wanted CPU is asked for ever
 _LOCK_WAIT_S = 0.05  # one try at the lock; a daemon that cannot get it keeps its lease until the next
 _LOCK_STUCK_S = 2.0  # a lock taken this long is no settle: the daemon holding it is stopped or hung
 REFUSED_ALONE_S = 10.0  # leases that cannot be settled this long: the daemon goes on alone within --node-cpus
+# A lease not settled for this long is a stopped daemon's (SIGSTOP; a live one settles every
+# SETTLE_S): it counts for nothing, and that daemon, resumed, starts no batch before it settles.
+STALE_S = 5.0
+USED_TAU_S = 2.0  # the CPU time that breaks ties is the last few seconds': a new job does not win for long
 
 
 class NodeBudget:
@@ -38,7 +44,7 @@ class NodeBudget:
         self.key = leasefile.key_of(self.pid, self.started)
         self.allowed = 0  # workers it may keep busy: its share, within the CPUs nobody else leases
         self.lease = 0  # what the file says it holds: allowed, or more while busy workers finish
-        self.used = 0.0  # CPU-seconds leased so far: turns, when more jobs want a CPU than there are
+        self.used = 0.0  # CPU-seconds leased lately (decaying over USED_TAU_S): turns, when CPUs are fewer than jobs
         self.jobs = 1  # daemons sharing the budget, at the last settle
         self.refused: str | None = None  # why the files cannot be used now (None: shared)
         self._shared = False  # shared at least once: a later refusal keeps what it had
@@ -46,15 +52,24 @@ class NodeBudget:
         self._lock_busy_since = 0.0  # when a settle first found the lock taken, 0: it did not
         self._distrust_until = 0.0  # after leases that did not read: no growth until each daemon wrote again
         self._next = self._last = 0.0  # the next settle due, the last one made
+        self._settled_at = float("-inf")  # the last settle that decided ``allowed`` (shared or alone)
+        self._seen: dict[str, dict] = {}  # the others' leases at the last settle
 
     def due(self, now: float, demand: int) -> bool:
         """Whether to settle now: every SETTLE_S, or every SETTLE_WANTING_S while it wants more
         than it is allowed (a task waits on it)."""
         return now >= self._next or demand > self.allowed and now >= self._last + SETTLE_WANTING_S
 
+    def fresh(self, now: float) -> bool:
+        """Whether ``allowed`` is recent enough to start a task on: not after a stop (SIGSTOP)
+        during which the others may have taken the CPUs this daemon's lease no longer shows."""
+        return now - self._settled_at <= STALE_S / 2
+
     def settle(self, now: float, busy: int, demand: int, runway_s: float) -> None:
         """Settle this daemon's lease with the others'; ``allowed`` is then what it may keep busy."""
-        self.used += self.lease * (now - self._last) if self._last else 0.0
+        if self._last:
+            decay = math.exp(-(now - self._last) / USED_TAU_S)
+            self.used = self.used * decay + self.lease * USED_TAU_S * (1 - decay)
         self._next, self._last = now + SETTLE_S, now
         try:
             with leasefile.locked(self.root, _LOCK_WAIT_S) as folder:
@@ -69,13 +84,20 @@ class NodeBudget:
                     log.warning("the CPU budget's leases did not read as leases; they are written afresh")
                     self._distrust_until = now + 2 * SETTLE_S
                 others = {k: e for k, e in leases.items() if k != self.key}
-                claims = [Claim(k, e["demand"], e["runway_s"], e["weight"], e["used"]) for k, e in others.items()]
+                lost = {k: e for k, e in self._seen.items() if k not in others and leasefile.alive(e, self.root)}
+                if lost:  # leases of running daemons gone from the file (removed, emptied): as they were
+                    others |= lost
+                    self._distrust_until = now + 2 * SETTLE_S
+                self._seen = others
+                wall = time.time()
+                live = {k: e for k, e in others.items() if wall - e["at"] <= STALE_S}  # not stopped (SIGSTOP)
+                claims = [Claim(k, e["demand"], e["runway_s"], e["weight"], e["used"]) for k, e in live.items()]
                 share = divide([*claims, Claim(self.key, demand, runway_s, self.weight, self.used)], self.cpus)
-                allowed = min(share[self.key], self.cpus - sum(e["lease"] for e in others.values()))
+                allowed = min(share[self.key], self.cpus - sum(e["lease"] for e in live.values()))
                 self.allowed = max(0, min(allowed, self.allowed) if now < self._distrust_until else allowed)
                 self.lease = max(busy, self.allowed)  # busy workers beyond it finish their batch first
                 self.jobs = 1 + len(others)
-                entry = {"pid": self.pid, "started": self.started, "job": self.job, "lease": self.lease}
+                entry = {"pid": self.pid, "started": self.started, "job": self.job, "lease": self.lease, "at": wall}
                 entry |= {"busy": busy, "demand": demand, "runway_s": round(runway_s, 3), "weight": self.weight}
                 leasefile.write(folder, {**others, self.key: entry | {"used": round(self.used, 3)}})
         except (leasefile.Refused, JobError, OSError) as exc:
@@ -83,7 +105,7 @@ class NodeBudget:
             return
         if self.refused is not None:
             log.info("the node's CPU budget is shared again")
-        self.refused, self._shared = None, True
+        self.refused, self._shared, self._settled_at = None, True, now
 
     def _stay(self, now: float, busy: int, demand: int, why: str) -> None:
         """The leases cannot be settled now (their files refused, a full filesystem, a lock held):
@@ -96,6 +118,7 @@ class NodeBudget:
         if not self._shared or now - self._refused_since > REFUSED_ALONE_S:
             self.allowed = min(self.cpus, demand)
         self.lease = max(busy, self.allowed)
+        self._settled_at = now  # decided, on what it had or alone
 
     def leave(self) -> None:
         """Give the lease back (the daemon stops); best effort: a dead daemon's lapses anyway."""

@@ -36,10 +36,10 @@ class Demand:
         cpus = config.node_cpus or default_workers()
         self.budget = NodeBudget(root, cpus, config.cpu_weight, config.name) if shares else None
 
-    def may_start(self, busy: int) -> bool:
+    def may_start(self, busy: int, now: float) -> bool:
         """Whether a local worker may take a task while ``busy`` of them make one: within the
         CPUs the budget allows now (a lease beyond it is given back as those workers finish)."""
-        return self.budget is None or busy < self.budget.allowed
+        return self.budget is None or busy < self.budget.allowed and self.budget.fresh(now)
 
     def turn(self, now: float, paused: bool, consumed: Rates) -> None:
         """``paused``: production waits (a full tmpfs, a store's outage): it asks for no CPU.
@@ -47,7 +47,8 @@ class Demand:
         serving = self.pool.serving
         busy = sum(s.task is not None for s in serving)
         starving, more_work = self.scheduler.ready_ahead(1) == 0, self.scheduler.next_task() is not None
-        demand = self.most if more_work and not paused else busy
+        # What it could keep busy: its workers, and with auto the one it would start next.
+        demand = min(self.most, len(serving) + (self.autoscale is not None)) if more_work and not paused else busy
         if self.budget is not None and self.budget.due(now, demand):
             ahead, rate = self.scheduler.ready_ahead(_AHEAD_COUNTED), consumed.per_second(now)
             runway = 0.0 if ahead == 0 else min(MAX_RUNWAY_S, ahead / rate) if rate > 0 else MAX_RUNWAY_S
@@ -56,6 +57,7 @@ class Demand:
             return
         self.pool.remove_retired(now)
         before = self.autoscale.target
+        more_work = more_work and self.may_start(busy, now)  # none beyond the budget's share: no growth
         target = self.autoscale.decide(now, len(serving), busy, starving, more_work)
         if target != before:
             log.info("workers: %d -> %d (%s)", before, target, self.autoscale.last_change)

@@ -32,7 +32,7 @@ _LEASES, _LOCK = "leases.json", "lock"
 _MAX_BYTES = 1 << 20  # leases of thousands of jobs; more is no file of ours
 _FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _ENTRY = {"pid": int, "started": float, "job": str, "lease": int, "busy": int, "demand": int, "runway_s": float}
-_ENTRY |= {"weight": float, "used": float}
+_ENTRY |= {"weight": float, "used": float, "at": float}
 
 
 class Refused(Exception):
@@ -72,7 +72,7 @@ def read_live(folder: int, root: Path) -> tuple[dict[str, dict], bool]:
     if not isinstance(leases, dict):
         return {}, False
     return {
-        k: e for k, e in leases.items() if _is_entry(e) and k == key_of(e["pid"], e["started"]) and _alive(e, root)
+        k: e for k, e in leases.items() if _is_entry(e) and k == key_of(e["pid"], e["started"]) and alive(e, root)
     }, True
 
 
@@ -123,13 +123,14 @@ def _is_entry(entry) -> bool:
     return (
         0 < entry["weight"] <= 1000
         and 0 <= entry["used"] < 1e12
+        and 0 <= entry["at"] < 1e11
         and all(0 <= entry[k] <= _MOST for k in ("lease", "busy", "demand"))
         and 0 <= entry["runway_s"] <= MAX_RUNWAY_S
         and 0 < entry["pid"] < 1 << 31
     )
 
 
-def _alive(entry: dict, root: Path) -> bool:
+def alive(entry: dict, root: Path) -> bool:
     """Whether the lease's daemon still runs: that pid, started then (not a reused pid), and the
     daemon its job's manifest under this root names (not any process that happens to live)."""
     try:

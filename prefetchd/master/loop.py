@@ -245,7 +245,7 @@ class Master:
         for slot in self.pool.slots:
             if not slot.ready or slot.task is not None or slot.retiring is not None:
                 continue
-            if slot.kind == "local" and not self.demand.may_start(busy):
+            if slot.kind == "local" and not self.demand.may_start(busy, now):
                 continue
             task = scheduler.next_task()
             if task is None:

@@ -24,7 +24,7 @@ def test_a_trainer_slower_than_production_leaves_workers_idle_and_they_go_by_hal
     policy = AutoWorkers(1, 8, now=0.0)
     now = turns(policy, 0.0, SHRINK_WINDOW_S + 0.1, workers=8, busy=1, starving=False, more_work=False)
     assert policy.target == 5  # 7 idle throughout: half of them (3) go
-    assert "7 worker(s) stayed idle" in policy.last_change
+    assert policy.last_change == "7 worker(s) stayed idle for 5 s"
     now = turns(policy, now, SHRINK_WINDOW_S + 0.1, workers=5, busy=1, starving=False, more_work=False)
     assert policy.target == 3
     for _ in range(4):
@@ -41,13 +41,22 @@ def test_one_turn_with_every_worker_busy_keeps_the_count():
     assert policy.target == 4
 
 
-def test_a_starving_trainer_restarts_the_window():
+def test_a_turn_that_grows_restarts_the_window():
     policy = AutoWorkers(1, 4, now=0.0)
-    now = turns(policy, 0.0, SHRINK_WINDOW_S - 1, workers=4, busy=1, starving=False, more_work=False)
-    policy.decide(now, workers=4, busy=1, starving=True, more_work=False)
+    policy.target = 3
+    now = turns(policy, 0.0, SHRINK_WINDOW_S - 1, workers=3, busy=1, starving=False, more_work=False)
+    policy.decide(now, workers=3, busy=3, starving=True, more_work=True)
+    assert policy.target == 4
     now = turns(policy, now + 0.05, SHRINK_WINDOW_S - 1, workers=4, busy=1, starving=False, more_work=False)
     assert policy.target == 4
     turns(policy, now, 1.1, workers=4, busy=1, starving=False, more_work=False)
+    assert policy.target == 3
+
+
+def test_workers_idle_while_a_trainer_waits_go_too():
+    """The node's budget lets 2 work: a waiting trainer keeps no third idle for ever."""
+    policy = AutoWorkers(1, 4, now=0.0)
+    turns(policy, 0.0, SHRINK_WINDOW_S + 0.1, workers=4, busy=2, starving=True, more_work=True)
     assert policy.target == 3
 
 

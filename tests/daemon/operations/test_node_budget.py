@@ -8,12 +8,14 @@ import json
 import os
 import signal
 import threading
+import time
 
 import psutil
 import pytest
 
 from prefetchd.master.leasefile import FOLDER
 from prefetchd_client import PrefetchLoader
+from prefetchd_client.layout import JobPaths
 from prefetchd_client.manifest import read_manifest
 from tests.conftest import cli, start_job, wait_pids_gone, wait_until, write_config
 from tests.helpers import job_status
@@ -85,6 +87,7 @@ def test_lease_files_that_are_not_ours_or_not_leases_stop_nothing(job_root, tmp_
     else:  # pid 1, with its true start time: alive, but no daemon of a job here; its lease holds nothing back
         started = round(psutil.Process(1).create_time(), 3)
         entry = {"pid": 1, "started": started, "job": "x", "lease": 1, "busy": 1, "demand": 8, "runway_s": 0.0}
+        entry |= {"at": time.time()}
         target.write_text(json.dumps({f"1-{started}": entry | {"weight": 0.001, "used": 0.0}}))
     config = write_config(tmp_path, jpeg_folder, name="planted", workers=1, buffer="256K", size=32)
     paths = start_job(config, "--node-cpus", "1")
@@ -167,3 +170,55 @@ def test_a_lock_held_for_good_or_a_folder_opened_to_others_for_a_while_stops_not
     log = paths.log.read_text()
     assert log.count("cannot be settled") == 2 and log.count("shared again") == 2
     assert cli("stop", "held").returncode == 0
+
+
+def test_a_newcomer_does_not_starve_a_job_that_ran_before_nor_a_stopped_daemon_keep_its_share(
+    job_root, tmp_path, jpeg_folder
+):
+    """One CPU: a job that has held it for seconds and a new one take turns (what breaks ties is
+    the last seconds' CPU time, not since the start); a daemon stopped with SIGSTOP while it holds
+    the CPU loses it to the other within STALE_S, and takes turns again once continued."""
+    from prefetchd.master.cpubudget import STALE_S
+
+    counts = {"old": 0, "new": 0}
+    errors, done = [], threading.Event()
+
+    def trainer(name: str) -> None:
+        try:
+            loader = PrefetchLoader(name, as_tensors=False, rank=0, world_size=1, timeout=20)
+            while not done.is_set():
+                for _ in loader:
+                    counts[name] += 1
+                    if done.is_set():
+                        break
+            loader.close()
+        except Exception as exc:  # noqa: BLE001 - a BatchTimeout: that job was starved
+            errors.append(f"{name}: {exc}")
+
+    for name in counts:
+        start_job(write_config(tmp_path, jpeg_folder, name=name, workers=1, buffer="1M", size=128), "--node-cpus", "1")
+    threads = {name: threading.Thread(target=trainer, args=(name,)) for name in counts}
+    threads["old"].start()
+    time.sleep(4)  # old holds the CPU alone, seconds of CPU time
+    threads["new"].start()
+    time.sleep(1)
+    before = dict(counts)
+    time.sleep(4)
+    assert counts["old"] > before["old"] and counts["new"] > before["new"], (before, counts, errors)
+
+    old = read_manifest(JobPaths.of("old"))["pid"]
+    os.kill(old, signal.SIGSTOP)
+    try:
+        time.sleep(1)
+        stalled = counts["new"]
+        wait_until(lambda: counts["new"] > stalled + 3, STALE_S + 10, what="the stopped daemon's share to lapse")
+    finally:
+        os.kill(old, signal.SIGCONT)
+    resumed = counts["old"]
+    wait_until(lambda: counts["old"] > resumed, 10, what="the continued daemon to be served again")
+    done.set()
+    for t in threads.values():
+        t.join(30)
+    assert not errors, errors
+    for name in counts:
+        assert cli("stop", name).returncode == 0
