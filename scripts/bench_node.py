@@ -4,9 +4,10 @@ daemon under one root, started together; three daemons of fixed --workers W agai
 
 Each trainer is a process of its own (random-resized-crop 224 + flip, batch 32, a folder of
 generated JPEGs of 300-500 px): the fast one reads --epochs epochs with a step of --fast-step-ms
-(0: as fast as it can), the slow ones --slow-batches batches with a step of --step-ms. Reported: each trainer's wait for data (its
-loader's wait_stats) and images/s, the total wait, and, for the shared budget, the most CPUs the
-daemons' leases held at once (read from the leases file through the run).
+(0: as fast as it can), the slow ones --slow-batches batches with a step of --step-ms. Reported:
+each trainer's wait for data (its loader's wait_stats) and images/s, the total wait, and, for the
+shared budget, the most CPUs the daemons' leases held at once (read from the leases file through
+the run).
 
     python scripts/bench_node.py [--images 400] [--workers 2] [--epochs 3] [--repeats 3] [--fast-step-ms 0]
 """
