@@ -50,7 +50,7 @@ class Demand:
         # What it could keep busy: its workers, and with auto the one it would start next.
         demand = min(self.most, len(serving) + (self.autoscale is not None)) if more_work and not paused else busy
         if self.budget is not None and self.budget.due(now, demand):
-            ahead, rate = self.scheduler.ready_ahead(_AHEAD_COUNTED), consumed.per_second(now)
+            ahead, rate = self.scheduler.ready_ahead(_AHEAD_COUNTED), consumed.seen_per_second(now)
             runway = 0.0 if ahead == 0 else min(MAX_RUNWAY_S, ahead / rate) if rate > 0 else MAX_RUNWAY_S
             self.budget.settle(now, busy, demand, runway)
         if self.autoscale is None:

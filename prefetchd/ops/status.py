@@ -32,6 +32,14 @@ class Rates:
         self._forget_before(now - _RATE_WINDOW_S)
         return sum(n for _, n in self.events) / _RATE_WINDOW_S
 
+    def seen_per_second(self, now: float) -> float:
+        """The rate over the time the events span (at least a second), not the whole window:
+        a trainer that began 2 s ago is not taken for one five times slower."""
+        self._forget_before(now - _RATE_WINDOW_S)
+        if not self.events:
+            return 0.0
+        return sum(n for _, n in self.events) / max(1.0, now - self.events[0][0])
+
     def _forget_before(self, t: float) -> None:
         while self.events and self.events[0][0] < t:
             self.events.popleft()
