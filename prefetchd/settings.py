@@ -29,6 +29,8 @@ SECTIONS = ("job", "daemon", "mix", "pipeline")
 MIX_RULES = ("cycle", "first_exhausted", "all_once")
 # The JPEG decoders, slowest first; prefetchd.workers.transforms.NATIVE_DECODERS implements all but Pillow.
 DECODERS = ("pillow", "simplejpeg", "turbojpeg")
+MAX_NODE_CPUS = 4096  # --node-cpus; a lease naming more CPUs, workers or demand is no daemon's
+CPU_WEIGHTS = (0.01, 100)  # --cpu-weight's range: a ratio of 10^4 between jobs at most
 Rule = tuple[Callable[[Any], bool], str]  # (is the value valid, what "must be" it is)
 
 
@@ -290,14 +292,14 @@ SETTINGS: tuple[Setting, ...] = (
         help="the most workers busy at once over the jobs under this root on this node, divided by demand (those "
         "whose trainers wait first); taken part in with --workers auto, or by any job that sets it",
         default_text="with --workers auto: cores - 1; else none",
-        rules=(_at_least(1), (lambda v: v <= 4096, "at most 4096")),
+        rules=(_at_least(1), (lambda v: v <= MAX_NODE_CPUS, f"at most {MAX_NODE_CPUS}")),
         metavar="N",
     ),
     Setting(
         "daemon", "cpu_weight", (float, int),
         help="this job's weight when jobs that all wait divide --node-cpus",
         default=1.0,
-        rules=((lambda v: 0.01 <= v <= 100, "a number from 0.01 to 100"),),
+        rules=((lambda v: CPU_WEIGHTS[0] <= v <= CPU_WEIGHTS[1], "a number from {} to {}".format(*CPU_WEIGHTS)),),
         type_text="number",
     ),
     Setting(

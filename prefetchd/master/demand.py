@@ -44,6 +44,8 @@ class Demand:
     def turn(self, now: float, paused: bool, consumed: Rates) -> None:
         """``paused``: production waits (a full tmpfs, a store's outage): it asks for no CPU.
         ``consumed``: the batches the trainers took, for how long the ready ones last them."""
+        if self.budget is None and self.autoscale is None:
+            return  # a fixed count of its own: nothing to look at on this path, each turn
         serving = self.pool.serving
         busy = sum(s.task is not None for s in serving)
         starving, more_work = self.scheduler.ready_ahead(1) == 0, self.scheduler.next_task() is not None

@@ -20,6 +20,7 @@ import psutil
 
 from prefetchd.master.cpushares import MAX_RUNWAY_S
 from prefetchd.master.jobdir import ensure_private_dir
+from prefetchd.settings import CPU_WEIGHTS, MAX_NODE_CPUS
 from prefetchd_client.folders import is_private
 from prefetchd_client.layout import JobPaths, check_job_name
 from prefetchd_client.locks import flock_within
@@ -114,17 +115,14 @@ def _open_ours(name: str, flags: int, folder: int) -> int:
     return fd
 
 
-_MOST = 4096  # CPUs, busy workers or demand a lease may name (settings' --node-cpus bound)
-
-
 def _is_entry(entry) -> bool:
     if not isinstance(entry, dict) or not all(type(entry.get(k)) is t for k, t in _ENTRY.items()):
         return False
     return (
-        0 < entry["weight"] <= 1000
+        CPU_WEIGHTS[0] <= entry["weight"] <= CPU_WEIGHTS[1]
         and 0 <= entry["used"] < 1e12
         and 0 <= entry["at"] < 1e11
-        and all(0 <= entry[k] <= _MOST for k in ("lease", "busy", "demand"))
+        and all(0 <= entry[k] <= MAX_NODE_CPUS for k in ("lease", "busy", "demand"))
         and 0 <= entry["runway_s"] <= MAX_RUNWAY_S
         and 0 < entry["pid"] < 1 << 31
     )
