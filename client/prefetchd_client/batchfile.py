@@ -1,10 +1,10 @@
 """The batch file: one finished batch, readable without the daemon.
 
-Layout (format version 2; all integers little-endian)::
+Layout (format version 3; all integers little-endian)::
 
     offset        size   content
     0             8      magic  b"PFDBATCH"
-    8             4      u32    format version (2)
+    8             4      u32    format version (3)
     12            4      u32    T, length of the field table in bytes
     16            4      u32    M, length of the meta object in bytes
     20            4      u32    0 (reserved)
@@ -20,7 +20,10 @@ Layout (format version 2; all integers little-endian)::
 The field table and the meta object::
 
     [{"name": "image", "dtype": "uint8", "shape": [B, H, W, 3], "offset": 4096}, ...]
-    {"config_hash": "...", "crc32": N, "sources": {...}, "replaced": [...]}  # CRC-32 of the fields' bytes
+    {"config_hash": "...", "xxh3_64": "16 hex digits", "sources": {...}, "replaced": [...]}
+
+``xxh3_64`` is ``content_digest``, named by its algorithm: version 2 had zlib's CRC-32 there,
+under ``crc32``, and a reader never compares digests of two algorithms.
 
 Why binary numbers and a separate table (version 1 had one JSON header): a reader maps a
 batch per training step, and the table is what it must check before touching any field.
@@ -65,7 +68,6 @@ import mmap
 import os
 import stat
 import struct
-import zlib
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -75,7 +77,7 @@ from .errors import BatchFormatError
 from .unmapper import UNMAPPER
 
 MAGIC = b"PFDBATCH"
-VERSION = 2
+VERSION = 3
 PREAMBLE = struct.Struct("<8sIIIIQQQ")  # magic, version, T, M, reserved, epoch, step, rank
 MAX_POSITION = 2**63 - 1  # epoch, step and rank; more is a broken or hostile file
 MAX_HEADER_BYTES = 1 << 20
@@ -244,17 +246,34 @@ def _write_all(fd: int, view: memoryview) -> None:
         pos += os.pwrite(fd, view[pos:], pos)
 
 
-def content_digest(arrays: dict[str, np.ndarray], fields) -> int:
-    """CRC-32 of the fields' bytes in layout order: recorded as ``meta.crc32`` by the daemon,
-    so the client's verify mode can tell a torn or corrupted batch, and a regenerated batch
-    can be compared with a published one cheaply. A check against accidents, not attacks
-    (whoever can write the job directory can write a matching digest too): CRC-32 runs at
-    memory speed in zlib, where SHA-256 took ~3 % of a worker's time."""
-    crc = 0
+DIGEST_KEY = "xxh3_64"  # the meta key of content_digest
+
+
+def content_digest(arrays: dict[str, np.ndarray], fields) -> str:
+    """XXH3-64 of the fields' bytes in layout order, as 16 hex digits: recorded as
+    ``meta[DIGEST_KEY]`` by the daemon, so the client's verify mode can tell a torn or corrupted
+    batch, and a regenerated batch can be compared with a published one cheaply. A check
+    against accidents, not attacks (whoever can write the job directory can write a matching
+    digest too). XXH3 because it runs at memory speed: four times zlib's CRC-32 and twice a
+    hardware CRC32C on a 4.8 MB batch here (docs/benchmarks.md). Hex, not a JSON number: a
+    64-bit integer loses its low bits in readers that hold numbers as doubles (JavaScript, jq)."""
+    hasher = require_digest().xxh3_64()
     for f in fields:
         name = f.name if isinstance(f, FieldSpec) else f["name"]
-        crc = zlib.crc32(memoryview(np.ascontiguousarray(arrays[name])).cast("B"), crc)
-    return crc
+        hasher.update(np.ascontiguousarray(arrays[name]))
+    return hasher.hexdigest()
+
+
+def require_digest():
+    """The module ``content_digest`` needs; ImportError, naming what to install, without it.
+
+    Imported here: the client's hard dependencies are numpy and pyzmq, and of the client only
+    its verify mode needs a digest (the daemon depends on xxhash)."""
+    try:
+        import xxhash
+    except ImportError:
+        raise ImportError("batch digests need xxhash (the client's [verify] extra): pip install xxhash") from None
+    return xxhash
 
 
 def _fail(msg: str) -> BatchFormatError:

@@ -331,15 +331,17 @@ def verify(
         err.print(
             "[bold red]differs:[/] "
             + literal(
-                f"{result['batch']}: published crc32 {result['published_crc32']}, "
-                f"regenerated {result['regenerated_crc32']}; "
+                f"{result['batch']}: published {result['digest_kind']} {result['published_digest']}, "
+                f"regenerated {result['regenerated_digest']}; "
                 f"{result['reason'] + '; ' if result.get('reason') else ''}"
                 f"fields {', '.join(result['differing_fields']) or '(hash only)'}"
             ),
             highlight=False,
         )
         raise typer.Exit(1)
-    out.print(literal(f"identical: {result['batch']} crc32 {result['regenerated_crc32']}"), highlight=False)
+    out.print(
+        literal(f"identical: {result['batch']} {result['digest_kind']} {result['regenerated_digest']}"), highlight=False
+    )
 
 
 @app.command()

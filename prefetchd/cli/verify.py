@@ -1,7 +1,7 @@
 """``prefetchd verify``: remake one batch in this process and compare it with the published one.
 
-Determinism made checkable: the batch's content digest (``meta.crc32``) and its bytes
-must equal what the plan yields here, whatever worker made it and however often. Its plan
+Determinism made checkable: the batch's content digest (``meta.xxh3_64``) and its bytes must
+equal what the plan yields here, whatever worker made it and however often. Its plan
 digest (``meta.plan_digest``) must be this job's too: a batch made by another plan (another
 world size, batch size, weights, transforms, decoder...) differs even where its pixels could
 pass, and the result says so with both digests.
@@ -15,7 +15,7 @@ import numpy as np
 
 from prefetchd.errors import JobError
 from prefetchd.workers.producer import PRODUCER_SPEC, BatchProducer, ProducerSpec, SpecMismatch
-from prefetchd_client.batchfile import BatchFormatError, map_batch
+from prefetchd_client.batchfile import DIGEST_KEY, BatchFormatError, map_batch
 from prefetchd_client.folders import read_regular_file
 from prefetchd_client.layout import JobPaths
 from prefetchd_client.manifest import read_manifest
@@ -64,7 +64,7 @@ def verify_batch(paths: JobPaths, epoch: int, step: int, rank: int) -> dict:
     path = paths.batch(epoch, step, rank)
     try:
         header, published = map_batch(path)
-        published_crc32 = header["meta"].get("crc32")
+        published_digest = header["meta"].get(DIGEST_KEY)
         published_plan = header["meta"].get("plan_digest")
     except FileNotFoundError:
         raise JobError(
@@ -87,13 +87,14 @@ def verify_batch(paths: JobPaths, epoch: int, step: int, rank: int) -> dict:
     other_plan = _other_plan(published_plan, spec.plan_digest)
     return {
         "batch": path.name,
-        "published_crc32": published_crc32,
-        "regenerated_crc32": meta["crc32"],
+        "digest_kind": DIGEST_KEY,
+        "published_digest": published_digest,
+        "regenerated_digest": meta[DIGEST_KEY],
         "differing_fields": differing,
         "published_plan_digest": published_plan,
         "plan_digest": spec.plan_digest,
         "reason": other_plan,
-        "identical": not differing and published_crc32 == meta["crc32"] and other_plan is None,
+        "identical": not differing and published_digest == meta[DIGEST_KEY] and other_plan is None,
     }
 
 

@@ -30,7 +30,15 @@ from prefetchd.sources.places import FILE
 from prefetchd.sources.samplereader import SampleReader
 from prefetchd.workers.transforms import ImagePipeline
 from prefetchd.workers.transformspec import validate_transforms
-from prefetchd_client.batchfile import PREAMBLE, BatchBuffer, BatchLayout, BatchWriter, FieldSpec, content_digest
+from prefetchd_client.batchfile import (
+    DIGEST_KEY,
+    PREAMBLE,
+    BatchBuffer,
+    BatchLayout,
+    BatchWriter,
+    FieldSpec,
+    content_digest,
+)
 from prefetchd_client.layout import JobPaths, batch_name
 from prefetchd_client.text import printable
 
@@ -63,7 +71,7 @@ _DETAILS_NOT_KEPT = "(not kept: the batch's earlier bad samples filled its repor
 # The header area of a batch file holds the field table and the meta object. It is sized so
 # that every sample of a batch can be recorded as replaced in the short form below (at most
 # 80 bytes of JSON); the full form (path, error) is kept while it fits, and always logged.
-_META_FIXED_BYTES = 256  # config hash, plan digest, CRC, the keys, "replaced_details": ~150
+_META_FIXED_BYTES = 256  # config hash, plan digest, content digest, the keys, "replaced_details": ~150
 _REPLACED_BYTES_PER_SAMPLE = 96
 _SHORT_REPLACED_KEYS = ("slot", "index", "replacement")
 
@@ -376,7 +384,7 @@ class BatchProducer:
         meta = {
             "config_hash": self.spec.config_hash,
             "plan_digest": self.spec.plan_digest,  # a restarted daemon adopts only batches of its own plan
-            "crc32": content_digest(arrays, self.layout.fields),
+            DIGEST_KEY: content_digest(arrays, self.layout.fields),
             "sources": dict(zip(self.spec.source_names, report.per_source)),
             "replaced": report.replaced,
         }

@@ -2,6 +2,8 @@
 
 import json
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -104,6 +106,21 @@ def test_the_content_digest_sees_one_flipped_bit(tmp_path):
     assert content_digest(map_batch(tmp_path / "b")[1], header["fields"]) == before
 
 
+def test_the_client_maps_batches_without_xxhash_and_names_it_for_a_digest(tmp_path):
+    """The digest's package is the daemon's dependency, not the client's (numpy and pyzmq): a
+    client without it maps batches, and only a digest (verify mode) asks for it, by name."""
+    path = write(tmp_path / "b")
+    code = (
+        "import sys; sys.modules['xxhash'] = None\n"  # `import xxhash` raises ImportError from here on
+        "from prefetchd_client import PrefetchLoader, batchfile\n"
+        f"header, arrays = batchfile.map_batch({str(path)!r})\n"
+        "try:\n    batchfile.content_digest(arrays, header['fields'])\n"
+        "except ImportError as exc:\n    print(exc)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "pip install xxhash" in out, out
+
+
 def rewrite_header(path, mutate):
     data = bytearray(path.read_bytes())
     header = read_parts(data)
@@ -139,6 +156,11 @@ def test_parser_rejects_bad_preambles(tmp_path):
         (b"", "shorter"),
         (b"NOTABATCH" + good[9:], "bad magic"),
         (good[:8] + struct.pack("<I", 1) + good[12:], "version 1"),
+        # the format before this one (zlib's CRC-32 as its digest): refused with the same words
+        (
+            good[:8] + struct.pack("<I", VERSION - 1) + good[12:],
+            f"version {VERSION - 1}, this reader understands {VERSION}",
+        ),
         (good[:12] + struct.pack("<I", 10**9) + good[16:], "length out of range"),
         (good[:16] + struct.pack("<I", 1) + good[20:], "length out of range"),
         (good[:20] + struct.pack("<I", 7) + good[24:], "length out of range"),  # the reserved word
