@@ -84,14 +84,17 @@ def _write_jpeg(job: tuple[str, int, int, int]) -> int:
     return os.path.getsize(path)
 
 
-def make_dataset(folder: Path, images: int) -> tuple[list[tuple[str, int]], list[int]]:
-    """ImageNet-like JPEGs as folder/class_XX/img_XXXXX.jpg: 500 x 375, every fourth one
-    portrait. Made on every core: 1,500 of them take ~35 s on one. Returns (path, label)
+def make_dataset(
+    folder: Path, images: int, size: tuple[int, int] = (500, 375)
+) -> tuple[list[tuple[str, int]], list[int]]:
+    """ImageNet-like JPEGs as folder/class_XX/img_XXXXX.jpg: 500 x 375 (or `size`), every fourth
+    one portrait. Made on every core: 1,500 of them take ~35 s on one. Returns (path, label)
     pairs and the file sizes."""
     files = [(str(folder / f"class_{i % CLASSES:02d}" / f"img_{i:05d}.jpg"), i % CLASSES) for i in range(images)]
     for c in range(min(CLASSES, images)):
         (folder / f"class_{c:02d}").mkdir(parents=True)
-    jobs = [(path, i, *((375, 500) if i % 4 == 3 else (500, 375))) for i, (path, _) in enumerate(files)]
+    w, h = size
+    jobs = [(path, i, *((h, w) if i % 4 == 3 else (w, h))) for i, (path, _) in enumerate(files)]
     # fork: the children need nothing but numpy and Pillow, already imported; nothing has run
     # in torch yet, so no thread pool is copied half-made.
     with ProcessPoolExecutor(os.cpu_count() or 1, mp_context=multiprocessing.get_context("fork")) as pool:

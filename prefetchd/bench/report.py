@@ -9,6 +9,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from prefetchd.bench import speedrows, waitrows
@@ -28,6 +29,7 @@ def summarize(results: dict, s: Settings) -> list[dict]:
         waitrows.restart_row(results["restart"]),
         waitrows.client_row(results["client"]),
         speedrows.daemon_cost_row(results),
+        *speedrows.packed_rows(results["packed"], s),
         speedrows.ray_row(results.get("ray", {"why": "not measured"}), s),
     ]
     return [asdict(row) for row in rows]
@@ -58,7 +60,9 @@ def print_table(console: Console, rows: list[dict], s: Settings) -> None:
         table.add_column(col, overflow="fold")
     for r in rows:
         holds = {True: "[green]yes[/]", False: "[red]no[/]", None: ""}[r["holds"]]
-        table.add_row(r["measure"], r["prefetchd"], r["dataloader"], r["ratio"], r["target"], holds)
+        # escape: "[from the first batch on]" is text, not a style rich would swallow
+        cells = (r["measure"], r["prefetchd"], r["dataloader"], r["ratio"], r["target"])
+        table.add_row(*map(escape, cells), holds)
     console.print(table)
 
 

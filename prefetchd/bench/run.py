@@ -32,6 +32,9 @@ class Run:
     def __init__(self, s: Settings, console: Console):
         self.s, self.console = s, console
         self.data = Path(tempfile.mkdtemp(prefix="prefetchd-bench-data-"))
+        # The packed rows' shards and their second image folder: beside the data, not in it (a
+        # folder in the image folder would be one more class to it).
+        self.packs = Path(tempfile.mkdtemp(prefix="prefetchd-bench-packs-"))
         self.root = Path(tempfile.mkdtemp(prefix="prefetchd-bench-", dir="/dev/shm"))
         self.jobs: list[JobPaths] = []
         # Every daemon master and worker this run saw, with its start time: a pid the kernel
@@ -43,13 +46,16 @@ class Run:
     def log(self, text: str) -> None:
         self.console.log(text, highlight=False)
 
-    def start_job(self, recipe: str, tag: str, decoder: str | None = None, **overrides) -> tuple[JobPaths, int]:
-        """Start a prefetchd daemon serving `recipe` on this run's data; returns (paths, master pid)."""
+    def start_job(
+        self, recipe: str, tag: str, decoder: str | None = None, source: dict | None = None, **overrides
+    ) -> tuple[JobPaths, int]:
+        """Start a prefetchd daemon serving `recipe` on `source` (a [[source]] table; this run's
+        image folder by default); returns (paths, master pid)."""
         s = self.s
         name = f"{tag}-{next(self._names)}"
         raw = {
             "job": {"decoder": decoder or s.decoder},
-            "source": [{"kind": "image_folder", "root": str(self.data)}],
+            "source": [source or {"kind": "image_folder", "root": str(self.data)}],
             "transform": RECIPES[recipe],
         }
         settings = {"batch_size": s.batch_size, "workers": s.workers, "buffer": s.buffer, **overrides}
@@ -98,15 +104,18 @@ class Run:
         psutil.wait_procs(procs, timeout=10)
         shutil.rmtree(self.root, ignore_errors=True)
         shutil.rmtree(self.data, ignore_errors=True)
+        shutil.rmtree(self.packs, ignore_errors=True)
 
 
 @contextlib.contextmanager
-def open_system(run: Run, system: str, recipe: str, tag: str) -> Iterator[tuple]:
+def open_system(run: Run, system: str, recipe: str, tag: str, source: dict | None = None) -> Iterator[tuple]:
     """Yield (loader, paths, master pid) ready to iterate; paths and pid are None for DataLoader.
-    The daemon is started fresh (empty buffer) and stopped on the way out."""
+    The daemon is started fresh (empty buffer), on `source` where given (prefetchd only), and
+    stopped on the way out."""
     s = run.s
     if system.startswith("prefetchd"):
-        paths, pid = run.start_job(recipe, tag, decoder=system.removeprefix(OTHER) if system != "prefetchd" else None)
+        decoder = system.removeprefix(OTHER) if system != "prefetchd" else None
+        paths, pid = run.start_job(recipe, tag, decoder=decoder, source=source)
         loader = PrefetchLoader(paths.name, root=run.root, rank=0, world_size=1, timeout=120)
         try:
             yield loader, paths, pid

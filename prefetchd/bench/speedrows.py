@@ -205,3 +205,47 @@ def ray_row(ray_runs: dict, s: Settings) -> Row:
         r["ratio"] >= 0.90,
         r,
     )
+
+
+def packed_rows(packed: dict, s: Settings) -> list[Row]:
+    """`pack --max-short-side N --quality 90` against the raw folder, rrc 224 + flip, one row per
+    folder: images/s (in brackets, one in-process loop), the ratio, and the crops' PSNR."""
+    rows = []
+    for name, f in packed["folders"].items():
+        tp = {v: med(x["images_per_s"] for x in runs) for v, runs in f["throughput"].items()}
+        loop = {v: med(runs) for v, runs in f["loops"].items()}
+        ratio = {v: tp[v] / tp["raw"] for v in tp}
+        loop_ratio = {v: loop[v] / loop["raw"] for v in loop}
+        cpu = {v: med(x["worker_cpu_ms_per_image"] for x in runs) for v, runs in f["throughput"].items()}
+        sides = [f"side_{n}" for n in packed["sides"]]
+        first = sides[0]
+        psnr = f["psnr"]
+        w, h = f["size"]
+        rows.append(
+            Row(
+                f"packed_{name}",
+                f"packed, {w}x{h} folder (~{f['mean_kb']:.0f} KB): `pack --max-short-side N --quality "
+                f"{packed['quality']}` vs the raw folder, rrc 224 + flip: img/s [one in-process loop]; "
+                f"crop PSNR median (p5); as stored, no resize: {tp['as_is']:.0f} img/s",
+                "; ".join(
+                    f"{v.removeprefix('side_')}: {tp[v]:.0f} [{loop[v]:.0f}], "
+                    f"{psnr[v]['median_db']:.1f} dB ({psnr[v]['p5_db']:.1f})"
+                    for v in sides
+                ),
+                f"raw folder {tp['raw']:.0f} [{loop['raw']:.0f}]",
+                " / ".join(f"{ratio[v]:.2f}x [{loop_ratio[v]:.2f}x]" for v in sides),
+                f"{first.removeprefix('side_')}: >= 2x, median >= 35 dB",
+                ratio[first] >= 2.0 and psnr[first]["median_db"] >= 35.0,
+                {
+                    "images_per_s": tp,
+                    "loop_images_per_s": loop,
+                    "ratio": ratio,
+                    "loop_ratio": loop_ratio,
+                    "worker_cpu_ms_per_image": cpu,
+                    "mean_kb": f["mean_kb"],
+                    "jpeg_kb": f["jpeg_kb"],
+                    "psnr": psnr,
+                },
+            )
+        )
+    return rows

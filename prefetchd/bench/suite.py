@@ -14,6 +14,7 @@ import torch
 from prefetchd.bench.clientcost import measure_client
 from prefetchd.bench.coldstart import measure_cold_start
 from prefetchd.bench.common import JPEG_QUALITY, installed_decoders, make_dataset
+from prefetchd.bench.packed import measure_packed
 from prefetchd.bench.ray_executor import measure_ray
 from prefetchd.bench.restart import measure_restart
 from prefetchd.bench.run import Run
@@ -52,6 +53,7 @@ def measure_all(run: Run) -> dict:
     measure_throughput(run, results)
     measure_trainers(run, results)
     measure_restart(run, results)
+    measure_packed(run, results)
     if s.quick:  # a Ray cluster alone takes most of --quick's minute to start
         results["ray"] = {"why": "--quick; run without it, or python -m prefetchd.bench.ray_executor"}
     else:
@@ -64,6 +66,6 @@ def measure_all(run: Run) -> dict:
             epochs=s.epochs,
             buffer=s.buffer,
         )
-    results["cleanup"] = {"root": str(run.root), "data": str(run.data)}
+    results["cleanup"] = {"root": str(run.root), "data": str(run.data), "packs": str(run.packs)}
     results["seconds"] = time.perf_counter() - started
     return results

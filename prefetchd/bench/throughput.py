@@ -57,11 +57,12 @@ def cpu_snapshot(paths: JobPaths | None, pid: int | None) -> dict:
     return snap
 
 
-def throughput_run(run: Run, system: str, recipe: str) -> dict:
+def throughput_run(run: Run, system: str, recipe: str, source: dict | None = None) -> dict:
     """Deliver `epochs` epochs as fast as the system can; images/s from the first batch to the
-    last (both systems start their workers together, so neither gets a head start)."""
+    last (both systems start their workers together, so neither gets a head start). `source`:
+    prefetchd's [[source]] table, where not the run's image folder."""
     s = run.s
-    with open_system(run, system, recipe, f"tp-{recipe}") as (loader, paths, pid):
+    with open_system(run, system, recipe, f"tp-{recipe}", source) as (loader, paths, pid):
         before = cpu_snapshot(paths, pid)
         batches = Batches(loader, s.epochs)
         try:

@@ -34,6 +34,8 @@ ROWS = {
     "trainer_restart",
     "client_cost",
     "daemon_cost",
+    "packed_imagenet",
+    "packed_coco",
     "ray",
 }
 
@@ -87,6 +89,7 @@ def test_quick_bench_reports_every_row_and_cleans_up(tmp_path):
     # Nothing left: the job root and data folder are gone, and no daemon serves from them.
     cleanup = report["cleanup"]
     assert not Path(cleanup["root"]).exists() and not Path(cleanup["data"]).exists()
+    assert not Path(cleanup["packs"]).exists()  # the packed rows' shards and second folder
     leftovers = []
     for proc in psutil.process_iter(["cmdline"]):
         if any(root in " ".join(proc.info["cmdline"] or []) for root in (cleanup["root"], cold["cleanup"][1])):
@@ -127,3 +130,42 @@ def test_prefetchd_bench_without_torch_says_what_to_install(tmp_path):
     (line,) = result.stderr.splitlines()
     assert "torch" in line and line.endswith("pip install torch"), line
     assert not out.exists()  # nothing made before the check
+
+
+@pytest.mark.timeout(90)
+def test_packed_rows_run_and_clean_up(tmp_path):
+    """The packed rows on 16 images, one folder, in this process: each variant (the raw folder,
+    packed as is, short side 320 and 256) served by a real daemon, the in-process loops and the
+    crops' PSNR; the row's cells filled; the packs, the data and the job root gone after."""
+    pytest.importorskip("torch")
+    from rich.console import Console
+
+    from prefetchd.bench.cli import parse_args
+    from prefetchd.bench.common import make_dataset
+    from prefetchd.bench.croppsnr import IDENTICAL_DB
+    from prefetchd.bench.packed import measure_packed, variants
+    from prefetchd.bench.run import Run
+    from prefetchd.bench.speedrows import packed_rows
+
+    s = parse_args(["--quick", "--images", "16", "--out", str(tmp_path)])
+    run = Run(s, Console(quiet=True))
+    try:
+        run.files = make_dataset(run.data, s.images)[0]
+        results: dict = {}
+        measure_packed(run, results, folders={"imagenet": (500, 375)})
+    finally:
+        run.close()
+    assert not run.data.exists() and not run.packs.exists() and not run.root.exists()
+
+    f = results["packed"]["folders"]["imagenet"]
+    assert f["packs"]["as_is"]["resized"] == 0 and f["packs"]["side_320"]["resized"] == 16
+    assert f["jpeg_kb"]["side_256"] < f["jpeg_kb"]["side_320"] < f["jpeg_kb"]["raw"] == f["jpeg_kb"]["as_is"]
+    for variant in variants():
+        (got,) = f["throughput"][variant]
+        assert got["batches"] == 2 * 2 and got["images_per_s"] > 0  # 2 epochs of 16 // 8
+    assert f["psnr"]["as_is"]["identical"] == 16  # the same bytes: the same crops
+    for side in ("side_320", "side_256"):
+        assert 20 < f["psnr"][side]["p5_db"] <= f["psnr"][side]["median_db"] < IDENTICAL_DB
+    (row,) = packed_rows(results["packed"], s)
+    assert row.id == "packed_imagenet" and row.holds in (True, False)
+    assert "320: " in row.prefetchd and " dB " in row.prefetchd and row.dataloader.startswith("raw folder ")
