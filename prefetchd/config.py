@@ -86,7 +86,8 @@ class Config:
     cpu_weight: float
     executor: str
     ray_address: str
-    ray_workers: int
+    ray_workers: int | str  # batches in flight on the cluster, or "auto" (1 to max_ray_workers, by demand)
+    max_ray_workers: int
     ray_resources: dict | None
     retain: int
     on_error: str
@@ -96,6 +97,7 @@ class Config:
     max_worker_restarts: int
     worker_nice: int
     on_trainer_exit: str
+    consumer_timeout: float
     endpoint: str
     curve_secret_key: str | None
     curve_authorized_keys: str | None
@@ -109,6 +111,11 @@ class Config:
     def worker_range(self) -> tuple[int, int]:
         """(fewest, most) local workers: both the count given, or with auto its bounds."""
         return (self.min_workers, self.max_workers) if self.workers == "auto" else (self.workers, self.workers)
+
+    @property
+    def ray_range(self) -> tuple[int, int]:
+        """(fewest, most) batches in flight on the Ray cluster: the count given, or with auto 1 to its most."""
+        return (1, self.max_ray_workers) if self.ray_workers == "auto" else (self.ray_workers, self.ray_workers)
 
     @property
     def served_ranks(self) -> tuple[int, ...]:

@@ -11,6 +11,8 @@ The daemon binds a ROUTER socket. Peers send one JSON object per message (at mos
 MAX_MESSAGE_BYTES; ZeroMQ drops larger ones before they are read):
 
     {"op": "position", "rank": R, "epoch": E, "step": K}   trainer heartbeat, no reply; optionally
+        + "consumer": NAME                                  which of several trainers of the job
+                                                            (absent: the default consumer)
         + "wait_s", "waited_steps", "steps", "loader"      the trainer's waits for data, all four
                                                             (prefetchd_client.waits)
     {"op": "status"}                                        reply: the status object
@@ -35,7 +37,7 @@ import zmq
 
 from prefetchd.curve import load_authorized_keys
 from prefetchd.errors import ConfigError
-from prefetchd_client.layout import SOCKET, JobPaths, parse_tcp_endpoint
+from prefetchd_client.layout import SOCKET, JobPaths, check_consumer_name, parse_tcp_endpoint
 from prefetchd_client.manifest import read_manifest, valid_curve_key, valid_endpoint
 from prefetchd_client.transport import client_curve, connect, load_secret_certificate
 
@@ -50,7 +52,7 @@ MAX_MESSAGE_BYTES = 64 * 1024
 HANDSHAKE_TIMEOUT_MS = 2000  # ZeroMQ's default is 30 s; a CURVE handshake here takes milliseconds
 MAX_MESSAGES_PER_TURN = 256  # a flood of messages cannot starve the master's other duties
 _SCHEMA = {
-    "position": {"rank": int, "epoch": int, "step": int, "pid": int}
+    "position": {"rank": int, "epoch": int, "step": int, "pid": int, "consumer": str}
     | {"wait_s": float, "waited_steps": int, "steps": int, "loader": int},
     "status": {},
     "stop": {"keep": bool},
@@ -88,6 +90,11 @@ def decode_message(data: bytes) -> dict:
         raise BadMessage(f"{msg['op']}: missing {sorted(missing)}")
     if msg["op"] == "position" and not WAIT_FIELDS.isdisjoint(msg) and not WAIT_FIELDS <= set(msg):
         raise BadMessage(f"position: the wait fields come all together: {sorted(WAIT_FIELDS)}")
+    if msg["op"] == "position" and "consumer" in msg:
+        try:
+            check_consumer_name(msg["consumer"])
+        except ValueError as exc:
+            raise BadMessage(f"position: {exc}") from None
     return msg
 
 

@@ -126,6 +126,14 @@ def parse_workers(value) -> int | str:
     raise ValueError(f"must be a number of workers (0 or more) or auto, got {value!r:.60}")
 
 
+def parse_ray_workers(value) -> int | str:
+    """``--ray-workers``: 1 to _MAX_RAY_WORKERS batches in flight, or ``"auto"``; ValueError otherwise."""
+    count = int(value) if isinstance(value, str) and value.strip().isdigit() else value
+    if count == "auto" or type(count) is int and 1 <= count <= _MAX_RAY_WORKERS:
+        return count
+    raise ValueError(f"must be 1 to {_MAX_RAY_WORKERS} batches in flight, or auto, got {value!r:.60}")
+
+
 def _is_endpoint(text: str) -> bool:
     if text == "ipc":
         return True
@@ -319,10 +327,19 @@ SETTINGS: tuple[Setting, ...] = (
         metavar="ADDRESS",
     ),
     Setting(
-        "daemon", "ray_workers", (int,),
+        "daemon", "ray_workers", (str, int),
         help="with --executor ray: batches in flight on the cluster at once, one task and one CPU each; about twice "
-        "the CPUs it may use, so none waits while a finished batch is written here",
+        "the CPUs it may use, so none waits while a finished batch is written here; or auto: from "
+        "--max-ray-workers, fewer while the trainers need fewer (the cluster's CPUs free for others)",
         default=8,
+        check=parse_ray_workers,
+        metavar="N|auto",
+        type_text="int or auto",
+    ),
+    Setting(
+        "daemon", "max_ray_workers", (int,),
+        help="with --ray-workers auto: the most batches in flight on the cluster, and the count it starts with",
+        default=16,
         rules=(_at_least(1), (lambda v: v <= _MAX_RAY_WORKERS, f"at most {_MAX_RAY_WORKERS}")),
     ),
     Setting(
@@ -385,6 +402,13 @@ SETTINGS: tuple[Setting, ...] = (
         help="a rank's trainer process is gone: keep its window (a warm restart) or release it",
         default="keep",
         choices=("keep", "release"),
+    ),
+    Setting(
+        "daemon", "consumer_timeout", (float, int),
+        help="seconds a gone trainer of a named consumer (PrefetchLoader(consumer=...)) keeps its batches",
+        default=120,
+        rules=((lambda v: 0 <= v <= 86400, "0 to 86400 seconds (a day)"),),
+        type_text="number",
     ),
     Setting(
         "daemon", "endpoint", (str,),

@@ -1,6 +1,7 @@
 """Three jobs on one node (issue 28): one fast trainer and two slow ones, each job with its own
-daemon under one root, started together; three daemons of fixed --workers W against three with
---workers auto sharing a node budget of --node-cpus W. One run alternating the two, medians.
+daemon under one root, started together; three daemons of fixed --fixed-workers F (default W)
+against three with --workers auto --max-workers W sharing a node budget of --node-cpus W. One run
+alternating the two, medians.
 
 Each trainer is a process of its own (random-resized-crop 224 + flip, batch 32, a folder of
 generated JPEGs of 300-500 px): the fast one reads --epochs epochs with a step of --fast-step-ms
@@ -9,7 +10,8 @@ each trainer's wait for data (its loader's wait_stats) and images/s, the total w
 shared budget, the most CPUs the daemons' leases held at once (read from the leases file through
 the run).
 
-    python scripts/bench_node.py [--images 400] [--workers 2] [--epochs 3] [--repeats 3] [--fast-step-ms 0]
+    python scripts/bench_node.py [--images 400] [--workers 2] [--fixed-workers 2] [--epochs 3] [--repeats 3]
+        [--fast-step-ms 0]
 """
 
 from __future__ import annotations
@@ -54,7 +56,7 @@ def trainer(name: str, epochs: int, batches: int, step_s: float) -> None:
 def run_once(setup: str, work: Path, data: Path, args, env: dict) -> dict:
     root = Path(tempfile.mkdtemp(prefix="prefetchd-bench-node-", dir="/dev/shm"))
     run_env = {**env, "PREFETCHD_ROOT": str(root)}
-    workers = f"workers = {args.workers}" if setup == "fixed" else auto_workers(args.workers)
+    workers = f"workers = {args.fixed_workers}" if setup == "fixed" else auto_workers(args.workers)
     try:
         starts = []
         for name in JOBS:
@@ -101,8 +103,12 @@ def main() -> None:
     parser.add_argument("--step-ms", type=float, default=300.0, help="the slow trainers' step")
     parser.add_argument("--slow-batches", type=int, default=30)
     parser.add_argument("--fast-step-ms", type=float, default=0.0, help="the fast trainer's step (0: none)")
+    parser.add_argument(
+        "--fixed-workers", type=int, help="each fixed daemon's workers (default: --workers; a daemon's: cores - 1)"
+    )
     parser.add_argument("--trainer", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    args.fixed_workers = args.fixed_workers or args.workers
     if args.trainer:
         trainer(args.trainer, args.epochs, args.slow_batches, args.step_ms / 1000)
         return
@@ -122,7 +128,7 @@ def main() -> None:
         print(
             json.dumps(
                 {
-                    "workers": args.workers,
+                    "workers": {"fixed": args.fixed_workers, "shared_max_and_node_cpus": args.workers},
                     "median_total_wait_s": {
                         k: statistics.median(r["total_wait_s"] for r in v) for k, v in results.items()
                     },

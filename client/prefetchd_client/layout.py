@@ -9,11 +9,12 @@ environment finds a job by its name alone::
       daemon.sock        ZeroMQ ipc endpoint (a TCP job has none: the manifest names its endpoint)
       daemon.log
       stopped.json       why the daemon stopped on an error: {type, message, exit_code, stopped_at}
-      progress/rank-<r>  "<epoch> <step>": the next batch rank r will read
+      progress/rank-<r>  "<epoch> <step>": the next batch rank r will read (rank-<r>.<consumer>:
+                         a named consumer's, one of several trainers reading the job)
       batches/           finished batches, e<epoch>-s<step>-r<rank>.batch
       tmp/               batches being written
       retired/           consumed batches a client may still map (freed once unmapped)
-      trainers/rank-<r>  flock held (shared) by every live loader of rank r
+      trainers/rank-<r>  flock held (shared) by every live loader of rank r (rank-<r>.<consumer>)
 
 root is the ``root`` argument, else ``$PREFETCHD_ROOT``, else ``/dev/shm/prefetchd-<uid>``.
 
@@ -44,7 +45,11 @@ RETIRED_DIR = "retired"
 
 _JOB_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # fullmatch: "job\n" is no name
 _BATCH_NAME = re.compile(r"e(\d{6})-s(\d{8})-r(\d{4})\.batch", re.ASCII)  # fullmatch: no "\n" after
-_PROGRESS_NAME = re.compile(r"rank-(\d{1,4})", re.ASCII)
+_CONSUMER = r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}"  # no ".": it follows the rank in file names
+_CONSUMER_NAME = re.compile(_CONSUMER, re.ASCII)
+_PROGRESS_NAME = re.compile(rf"rank-(\d{{1,4}})(?:\.({_CONSUMER}))?", re.ASCII)
+DEFAULT_CONSUMER = ""  # a loader that names no consumer: the one a job has unless several trainers read it
+MAX_CONSUMERS = 16  # named by reports per job: more are refused (a peer cannot grow the daemon's ledger)
 
 
 def default_root(uid: int | None = None) -> Path:
@@ -93,6 +98,19 @@ def check_job_name(name: str) -> str:
             f"invalid job name {name!r}: use 1-64 letters, digits, '.', '_' or '-', starting with a letter or digit"
         )
     return name
+
+
+def check_consumer_name(name: str) -> str:
+    """Consumer names become part of file names: "" (the default) or one safe word."""
+    if not isinstance(name, str) or not (name == DEFAULT_CONSUMER or _CONSUMER_NAME.fullmatch(name)):
+        raise ValueError(
+            f"invalid consumer name {name!r:.60}: use 1-32 letters, digits, '_' or '-', starting with a letter or digit"
+        )
+    return name
+
+
+def _consumer_suffix(consumer: str) -> str:
+    return f".{check_consumer_name(consumer)}" if consumer else ""
 
 
 @dataclass(frozen=True)
@@ -154,11 +172,11 @@ class JobPaths:
     def trainers_dir(self) -> Path:
         return self.dir / TRAINERS_DIR
 
-    def trainer_lock(self, rank: int) -> Path:
-        return self.trainers_dir / f"rank-{rank}"
+    def trainer_lock(self, rank: int, consumer: str = DEFAULT_CONSUMER) -> Path:
+        return self.trainers_dir / f"rank-{rank}{_consumer_suffix(consumer)}"
 
-    def progress(self, rank: int) -> Path:
-        return self.progress_dir / f"rank-{rank}"
+    def progress(self, rank: int, consumer: str = DEFAULT_CONSUMER) -> Path:
+        return self.progress_dir / f"rank-{rank}{_consumer_suffix(consumer)}"
 
 
 # What a batch name holds (six digits of epoch, eight of step, four of rank): a position past
@@ -176,9 +194,10 @@ def parse_batch_name(name: str) -> tuple[int, int, int] | None:
     return (int(m[1]), int(m[2]), int(m[3])) if m else None
 
 
-def parse_progress_name(name: str) -> int | None:
+def parse_progress_name(name: str) -> tuple[int, str] | None:
+    """(rank, consumer) of a progress file's name, or None for anything else."""
     m = _PROGRESS_NAME.fullmatch(name)
-    return int(m[1]) if m else None
+    return (int(m[1]), m[2] or DEFAULT_CONSUMER) if m else None
 
 
 def parse_progress(text: str) -> tuple[int, int]:

@@ -23,7 +23,7 @@ from . import batchfile, transport
 from .device import DeviceFeeder
 from .errors import AuthError, BatchFormatError, BatchTimeout, DaemonDied, JobNotRunning, PlanMismatch
 from .folders import open_job
-from .layout import MAX_EPOCH, JobPaths, jobs_under, root_source
+from .layout import DEFAULT_CONSUMER, MAX_EPOCH, JobPaths, check_consumer_name, jobs_under, root_source
 from .locks import daemon_alive, hold_trainer_lock, release_trainer_lock
 from .manifest import VersionMismatch, check_manifest, check_plan, read_manifest, read_stopped
 from .ranks import default_rank_and_world
@@ -84,7 +84,7 @@ class PrefetchLoader:
     ``restart_grace``: seconds a waiting loader gives a dead daemon to be restarted before it
     raises DaemonDied. ``verify`` (default:
     ``$PREFETCHD_VERIFY=1``): check every batch before yielding it (its name, this job's
-    config hash, the CRC-32 of its bytes) and raise BatchFormatError on any difference; a
+    config hash, the digest of its bytes) and raise BatchFormatError on any difference; a
     test mode, it reads every byte once.
 
     Batches are dicts of torch tensors (numpy arrays when torch is absent) mapped from the
@@ -94,6 +94,12 @@ class PrefetchLoader:
     and a side stream on CUDA (see prefetchd_client.device). ``normalize=(mean, std)`` (with
     ``device``): ``image`` becomes float32 [B, 3, H, W], ``(x / 255 - mean) / std``, made on
     the device.
+
+    ``consumer``: the name of this trainer among several that read the same job (a training
+    run and an evaluation beside it, two experiments of one plan): each consumer has its own
+    positions and state, every batch is made once for all of them and deleted once they all
+    passed it; one that falls behind is served on its own without holding the others back.
+    None (the default) is the job's default consumer.
 
     ``curve_client_key`` (default: ``$PREFETCHD_CURVE_CLIENT_KEY``): this client's secret
     certificate, for a job whose daemon uses CURVE (its manifest has ``curve_public_key``).
@@ -114,7 +120,9 @@ class PrefetchLoader:
         device=None,
         normalize=None,
         curve_client_key: str | os.PathLike | None = None,
+        consumer: str | None = None,
     ):
+        self.consumer = DEFAULT_CONSUMER if consumer is None else check_consumer_name(consumer)
         self._paths = JobPaths.of(job, root)
         self._root_source = root_source(root)
         self.manifest = self._read_manifest()
@@ -167,7 +175,7 @@ class PrefetchLoader:
             _close_socket(self._context, self._socket, None)
             raise
         # Tells the daemon this rank's trainer lives (a paused one too) until the process ends.
-        self._trainer_fd = hold_trainer_lock(self._paths, self.rank)
+        self._trainer_fd = hold_trainer_lock(self._paths, self.rank, self.consumer)
         # Deliver the last reports at exit, but never wait on a dead daemon for long.
         self._finalizer = weakref.finalize(
             self, _close_loader, self._readers, self._context, self._socket, self._trainer_fd
@@ -405,6 +413,7 @@ class PrefetchLoader:
 
     def _report(self, epoch: int, step: int) -> None:
         msg = {"op": "position", "rank": self.rank, "epoch": epoch, "step": step, "pid": os.getpid()}
+        msg |= {"consumer": self.consumer} if self.consumer else {}  # the default's reports as older daemons read them
         msg.update(self._waits.report_fields())
         # The read-ahead thread reports too; a ZeroMQ socket is safe across threads with a lock.
         with self._send_lock:
@@ -429,8 +438,8 @@ class PrefetchLoader:
                 "the daemon never serves such a batch, so something else put it there"
             )
         digest = batchfile.content_digest(arrays, header["fields"])
-        if digest != header["meta"].get("crc32"):
-            raise BatchFormatError(f"{path}: its bytes do not match the CRC-32 in its header (torn write?)")
+        if digest != header["meta"].get(batchfile.DIGEST_KEY):
+            raise BatchFormatError(f"{path}: its bytes do not match the digest in its header (torn write?)")
 
     def _check_plan_again(self) -> None:
         """A daemon restarted under a waiting trainer may serve other ranks or another world
@@ -473,10 +482,11 @@ class PrefetchLoader:
                 reader.waiting(resend=True)  # a restarted daemon learns where this rank is
                 next_check = now + _LIVENESS_CHECK_S
             if reader.trainer_waited_s() >= self.timeout:  # from when the trainer asked for it
+                of = f" (consumer {self.consumer!r}; a job keeps 16, its log says if refused)" if self.consumer else ""
                 raise BatchTimeout(
-                    f"batch epoch {epoch} step {step} rank {self.rank} of job {self._paths.name!r} did not "
-                    f"arrive within {self.timeout:.0f} s; check `prefetchd status {self._paths.name}` and "
-                    f"{self._paths.log}, or raise timeout="
+                    f"batch epoch {epoch} step {step} rank {self.rank}{of} of job {self._paths.name!r} did not arrive "
+                    f"within {self.timeout:.0f} s; check `prefetchd status {self._paths.name}` and {self._paths.log}, "
+                    "or raise timeout="
                 )
             cut_short = reader.nap(delay)
             reader.waiting()

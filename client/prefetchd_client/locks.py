@@ -12,7 +12,7 @@ import stat
 import time
 
 from .folders import FILE_FLAGS, OpenJob
-from .layout import LOCK, JobPaths
+from .layout import DEFAULT_CONSUMER, LOCK, JobPaths
 
 
 def daemon_alive(paths: JobPaths, *, dir_fd: int | None = None) -> bool:
@@ -120,9 +120,9 @@ def _let_go_of_trainer_locks_in_child() -> None:
 os.register_at_fork(after_in_child=_let_go_of_trainer_locks_in_child)
 
 
-def hold_trainer_lock(paths: JobPaths, rank: int) -> int | None:
-    """Take a shared flock that says "a trainer of this rank is alive"; returns the fd to keep
-    (close it with ``release_trainer_lock``).
+def hold_trainer_lock(paths: JobPaths, rank: int, consumer: str = DEFAULT_CONSUMER) -> int | None:
+    """Take a shared flock that says "a trainer of this rank (and consumer) is alive"; returns
+    the fd to keep (close it with ``release_trainer_lock``).
 
     The kernel drops it when the process dies, however it dies, so the daemon can tell a
     trainer that is gone from one that is only paused. None if the job has no such folder,
@@ -130,7 +130,8 @@ def hold_trainer_lock(paths: JobPaths, rank: int) -> int | None:
     holds it exclusively for seconds (then the daemon sees this rank as "never" or "gone").
     """
     try:
-        fd = os.open(paths.trainer_lock(rank), os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        flags = os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+        fd = os.open(paths.trainer_lock(rank, consumer), flags, 0o600)
     except OSError:
         return None
     if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -164,17 +165,19 @@ def release_trainer_lock(fd: int) -> None:
     os.close(fd)
 
 
-def trainer_state(paths: JobPaths, rank: int) -> str:
-    """ "alive" (some loader holds the rank's lock), "gone" (one did, none does) or "never"."""
+def trainer_state(paths: JobPaths, rank: int, consumer: str = DEFAULT_CONSUMER) -> str:
+    """ "alive" (some loader holds the lock of the rank and consumer), "gone" (one did, none
+    does) or "never"."""
     # O_NONBLOCK: a FIFO planted under the name must not block the daemon in open();
     # only a regular file can be a trainer's lock (a symlink fails with ELOOP: OSError).
+    lock = paths.trainer_lock(rank, consumer)
     try:
-        fd = os.open(paths.trainer_lock(rank), FILE_FLAGS)
+        fd = os.open(lock, FILE_FLAGS)
     except FileNotFoundError:
         return "never"
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(paths.trainer_lock(rank)))
+            raise OSError(errno.EINVAL, "not a regular file", str(lock))
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
         if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):

@@ -111,7 +111,9 @@ def _job(s: dict, live: bool):
     ex = s.get("executor") or {}
     if ex.get("kind") == "ray":  # the cluster's state, and why it was given up
         state = f"lost ({ex['why']}); local workers only" if ex["state"] == "lost" else ex["state"]
-        yield Text(f"  ray at {ex['address']}: {state}; {ex['in_flight']}/{ex['slots']} in flight")
+        auto = ex.get("auto")  # --ray-workers auto: the target within its range, and how often it moved
+        most = f"{auto['target']} (auto 1-{auto['max']}, {auto['changes']} changes)" if auto else ex["slots"]
+        yield Text(f"  ray at {ex['address']}: {state}; {ex['in_flight']}/{most} in flight")
     yield from _store_lines(s.get("store") or {})
     refused = s["totals"].get("refused") or {}
     if refused:  # peer input dropped: a buggy or hostile trainer, a planted file (see the log)
@@ -167,7 +169,21 @@ def _ranks_table(s: dict, live: bool) -> Table:
             row.append(ProgressBar(total=max(1, window), completed=rk["ready"], width=_BAR_WIDTH))
         row += [str(rk["ready"]), str(rk["in_flight"]), str(rk["consumed"]), age, *_wait_cells(rk.get("wait"))]
         table.add_row(*(Text(cell) if isinstance(cell, str) else cell for cell in row))  # a str cell is markup
+        consumers = rk.get("consumers") or []
+        if any(c["consumer"] for c in consumers):  # several trainers read the job: a row each, under the rank's
+            for c in consumers:
+                table.add_row(*map(Text, _consumer_cells(rk["rank"], c, live)))
     return table
+
+
+def _consumer_cells(rank: int, c: dict, live: bool) -> list[str]:
+    """One consumer's row: its position on the rank, its trainer (lagging: served on demand), its waits."""
+    age = "never" if c["last_report_s_ago"] is None else f"{c['last_report_s_ago']:.1f} s"
+    name = printable(c["consumer"]) or "(default)"
+    trainer = f"{c['trainer']}, lagging" if c["lagging"] else c["trainer"]
+    position = ["-", "-"] if c["epoch"] is None else [str(c["epoch"]), str(c["step"])]
+    blank = [""] * (3 if live else 2)  # the rank's buffer, ready and in flight: shared by its consumers
+    return [f" {rank}:{name}", trainer, *position, *blank, str(c["consumed"]), age, *_wait_cells(c.get("wait"))]
 
 
 def _wait_cells(wait: dict | None) -> tuple[str, str, str]:

@@ -1,9 +1,9 @@
 """The buffer: batch files on the tmpfs, kept within the byte bound.
 
-The Scheduler is its ledger (what each rank has ready, in flight, consumed); this module
-does what the ledger decides to the files: retires consumed batches (still counted while a
-client maps them), keeps a previous daemon's valid batches, measures what the filesystem
-holds. Every byte the bound counts is in ``used_bytes``.
+The Scheduler is its ledger (where each rank's consumers are, what it has ready, in flight,
+consumed); this module does what the ledger decides to the files: retires consumed batches
+(still counted while a client maps them), keeps a previous daemon's valid batches, measures
+what the filesystem holds. Every byte the bound counts is in ``used_bytes``.
 """
 
 from __future__ import annotations
@@ -46,13 +46,14 @@ class Buffer:
     def note_peak(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
 
-    def move_position(self, rank: int, index: int, now: float) -> int:
-        """Apply a rank's position (already checked against the plan); the batches it consumed."""
+    def move_position(self, rank: int, index: int, consumer: str, now: float) -> int:
+        """Apply a consumer's position on a rank (already checked against the plan); the
+        batches it consumed."""
         state = self.scheduler.ranks[rank]
-        before = state.consumed
-        for gone in self.scheduler.move_position(rank, index):
+        before = state.consumed_total
+        for gone in self.scheduler.move_position(rank, index, consumer):
             self.delete(rank, gone, now)
-        return state.consumed - before
+        return state.consumed_total - before
 
     def delete(self, rank: int, index: int, now: float) -> None:
         epoch, step = self.plan.unlinear(index)

@@ -102,7 +102,7 @@ class Master:
         self.pool.kill_hung(now)
         self._replace_dead_workers(now)
         self.intake.read_progress_files(self.move_position)
-        self.intake.check_trainers(now, self._trainer_gone)
+        self.intake.check_trainers(now, self._release_trainer)
         self.buffer.free_retired(now)
         self.assign_tasks(now)
         self.demand.turn(now, self.pauses.waiting(now), self.consume_rate)  # --workers auto, the node budget
@@ -119,10 +119,10 @@ class Master:
 
     # -- peers ---------------------------------------------------------------------------
 
-    def move_position(self, rank: int, index: int) -> None:
-        """Apply a rank's position, checked against the plan by the intake."""
+    def move_position(self, rank: int, index: int, consumer: str) -> None:
+        """Apply a trainer's position, checked against the plan by the intake."""
         now = time.monotonic()
-        consumed = self.buffer.move_position(rank, index, now)
+        consumed = self.buffer.move_position(rank, index, consumer, now)
         if consumed:
             self.consume_rate.add(now, consumed)
 
@@ -135,12 +135,13 @@ class Master:
             self.stop_reason = DaemonStop("stop requested", ExitCode.OK)
         return {"ok": True, "pid": os.getpid()}
 
-    def _trainer_gone(self, rank: int) -> None:
-        log.info("the trainer of rank %d is gone (%s its window)", rank, self.config.on_trainer_exit)
-        if self.config.on_trainer_exit == "release":
-            now = time.monotonic()
-            for index in self.buffer.scheduler.park(rank):
-                self.buffer.delete(rank, index, now)
+    def _release_trainer(self, rank: int, consumer: str) -> None:
+        """A gone trainer's place is given up (intake.check_trainers says when)."""
+        now = time.monotonic()
+        for index in self.buffer.scheduler.park(rank, consumer):
+            self.buffer.delete(rank, index, now)
+        if not any(consumer in state.positions for state in self.buffer.scheduler.ranks.values()):
+            self.intake.forget_if_gone(consumer)  # its name is free once no rank keeps a place for it
 
     def status(self) -> dict:
         return job_status(self)
@@ -242,10 +243,11 @@ class Master:
             return
         scheduler = self.buffer.scheduler
         busy = sum(s.task is not None for s in self.pool.serving)  # local ones: the node budget's count
+        on_ray = sum(s.task is not None for s in self.pool.slots if s.kind == "ray")
         for slot in self.pool.slots:
             if not slot.ready or slot.task is not None or slot.retiring is not None:
                 continue
-            if slot.kind == "local" and not self.demand.may_start(busy, now):
+            if not (self.demand.may_start(busy, now) if slot.kind == "local" else self.demand.may_send_to_ray(on_ray)):
                 continue
             task = scheduler.next_task()
             if task is None:
@@ -261,6 +263,7 @@ class Master:
             if self.pool.send_task(slot, *task):
                 scheduler.task_started(*task)
                 busy += slot.kind == "local"
+                on_ray += slot.kind == "ray"
                 self.buffer.note_peak()
 
     # -- stopping ------------------------------------------------------------------------

@@ -103,13 +103,13 @@ class WorkerPool:
 
         cfg = self.job.config
         ctx = multiprocessing.get_context("spawn")
-        pipes = [ctx.Pipe() for _ in range(cfg.ray_workers)]
+        pipes = [ctx.Pipe() for _ in range(cfg.ray_range[1])]  # with --ray-workers auto, the most: then by demand
         options = {
             "address": cfg.ray_address,
             "resources": dict(cfg.ray_resources or {}),
             "worker_timeout": cfg.worker_timeout,
             # --ray-address local: a private instance, its object store on disk-backed /tmp, not the tmpfs
-            "local_cpus": cfg.ray_workers,
+            "local_cpus": cfg.ray_range[1],
             "store_bytes": _LOCAL_RAY_STORE_BYTES,
             "plasma_dir": tempfile.gettempdir(),
             "ray_temp": self._private_ray_folder() if cfg.ray_address == "local" else None,
@@ -466,7 +466,7 @@ class WorkerPool:
             relays = [s for s in self.slots if s.kind == "ray"]
             state = "lost" if self.ray_lost else "connected" if any(s.ready for s in relays) else "connecting"
             status |= {"address": cfg.ray_address, "state": state, "why": self.ray_lost}
-            status |= {"in_flight": sum(s.task is not None for s in relays), "slots": cfg.ray_workers}
+            status |= {"in_flight": sum(s.task is not None for s in relays), "slots": len(relays)}
         return status
 
 

@@ -1,8 +1,9 @@
-"""Intake of progress files: ``<jobdir>/progress/rank-<r>`` holds ``<epoch> <step>``.
+"""Intake of progress files: ``<jobdir>/progress/rank-<r>`` holds ``<epoch> <step>``
+(``rank-<r>.<consumer>`` a named consumer's).
 
 A trainer in any language can report progress by rewriting that file atomically (write
 a temporary file, rename it over). watchdog watches the folder from its own thread; the
-handler only queues the rank, and the master's loop reads and applies the file.
+handler only queues the (rank, consumer), and the master's loop reads and applies the file.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from watchdog.events import FileSystemEventHandler
 from watchdog.observers import Observer
 
 from prefetchd_client.folders import read_regular_file
-from prefetchd_client.layout import parse_progress, parse_progress_name
+from prefetchd_client.layout import JobPaths, parse_progress, parse_progress_name
 
 MAX_PROGRESS_BYTES = 64  # "<epoch> <step>\n" needs at most 30
 
@@ -23,7 +24,7 @@ class BadProgressFile(ValueError):
     """A progress file that is planted, oversized or not "<epoch> <step>"."""
 
 
-class _QueueRank(FileSystemEventHandler):
+class _QueueChanged(FileSystemEventHandler):
     def __init__(self, changed: queue.SimpleQueue):
         self._changed = changed
 
@@ -31,41 +32,43 @@ class _QueueRank(FileSystemEventHandler):
         if event.is_directory or event.event_type not in ("created", "modified", "moved", "closed"):
             return
         path = getattr(event, "dest_path", "") or event.src_path
-        rank = parse_progress_name(os.path.basename(os.fsdecode(path)))
-        if rank is not None:
-            self._changed.put(rank)
+        key = parse_progress_name(os.path.basename(os.fsdecode(path)))
+        if key is not None:
+            self._changed.put(key)
 
 
 class ProgressWatcher:
-    def __init__(self, folder: str):
-        self.folder = folder
-        self.changed: queue.SimpleQueue[int] = queue.SimpleQueue()
+    def __init__(self, paths: JobPaths):
+        self.paths = paths
+        self.folder = str(paths.progress_dir)
+        self.changed: queue.SimpleQueue[tuple[int, str]] = queue.SimpleQueue()
         self._observer = Observer()
-        self._observer.schedule(_QueueRank(self.changed), folder, recursive=False)
+        self._observer.schedule(_QueueChanged(self.changed), self.folder, recursive=False)
 
     def start(self) -> None:
         self._observer.start()
         for name in os.listdir(self.folder):  # files written before we watched
-            rank = parse_progress_name(name)
-            if rank is not None:
-                self.changed.put(rank)
+            key = parse_progress_name(name)
+            if key is not None:
+                self.changed.put(key)
 
-    def drain(self) -> set[int]:
-        ranks = set()
+    def drain(self) -> set[tuple[int, str]]:
+        """The (rank, consumer) of each file that changed since the last drain."""
+        keys = set()
         while True:
             try:
-                ranks.add(self.changed.get_nowait())
+                keys.add(self.changed.get_nowait())
             except queue.Empty:
-                return ranks
+                return keys
 
-    def read(self, rank: int) -> tuple[int, int] | None:
-        """The position in rank's file; None if it vanished; BadProgressFile if it is not a
-        small regular file holding "<epoch> <step>".
+    def read(self, rank: int, consumer: str) -> tuple[int, int] | None:
+        """The position in the file of the rank and consumer; None if it vanished;
+        BadProgressFile if it is not a small regular file holding "<epoch> <step>".
 
         The folder is peer input: a symlink or a FIFO planted under a rank's name must not
         block the master (O_NONBLOCK) or lead it anywhere (O_NOFOLLOW).
         """
-        path = os.path.join(self.folder, f"rank-{rank}")
+        path = str(self.paths.progress(rank, consumer))
         try:
             data = read_regular_file(path, MAX_PROGRESS_BYTES)
         except FileNotFoundError:

@@ -1,20 +1,30 @@
 """Scheduling decisions: what to produce next and what to delete. Pure: no I/O, no clock.
 
 Each rank reads its batches in order, across epochs; batch ``i`` of a rank is its linear
-index (``epoch * batches_per_epoch + step``). A rank's *position* is the next batch it will
-read. The scheduler keeps the ranks this daemon serves (all of them, or its node's). The
-byte bound, divided by the batch size, is shared equally between them; of each
-rank's share, ``retain`` batches keep what it consumed last (a trainer restarted from a
-checkpoint a few steps back finds them warm) and ``window`` batches lie ahead. A rank keeps
-``[position - retain, position + window)``.
+index (``epoch * batches_per_epoch + step``). A *consumer* is one trainer reading the job
+(``PrefetchLoader(job, consumer=...)``; most jobs have one, the default ``""``); its
+*position* on a rank is the next batch it will read there. The scheduler keeps the ranks
+this daemon serves (all of them, or its node's). The byte bound, divided by the batch size,
+is shared equally between them; of each rank's share, ``retain`` batches keep what was
+consumed last (a trainer restarted from a checkpoint a few steps back finds them warm) and
+``window`` batches lie ahead.
 
-- Produce: the missing batch nearest to its rank's position, over all ranks (the most
+A rank keeps ``[anchor - retain, anchor + window)``, the anchor being its rearmost consumer
+that keeps up: one behind the leading consumer by at most ``lag_limit`` (three quarters of
+the window: the leader keeps a quarter ahead of it). A batch is made once for all of them and
+deleted when they all passed it. A consumer further behind is *lagging*: it keeps only
+``[position, position + LAGGING_AHEAD)``, made for it on demand (again, if the others had
+it made), and holds nobody back. It keeps up again once within half the limit (not at the
+limit: a consumer about as fast as the leader would flip at every step, each flip deleting
+batches the next one remakes).
+
+- Produce: the missing batch nearest to a consumer's position, over all ranks (the most
   urgent first), while the buffer holds fewer than ``capacity`` batches (ready or being
   written), plus ``reserved`` slots the master counts for consumed batches a client still
-  maps: the byte bound is never exceeded, not even during a seek.
-- Delete: every ready batch outside that range: consumed more than ``retain`` batches ago
-  or, after a backward seek, too far ahead. A paused rank's range stays as it is.
-- Make room: when the buffer is full but the batch a rank reads next is missing while
+  maps: the byte bound is never exceeded, not even during a seek or for a lagging consumer.
+- Delete: every ready batch outside what its rank keeps: consumed more than ``retain``
+  batches ago or, after a backward seek, too far ahead. A paused rank's range stays as it is.
+- Make room: when the buffer is full but the batch a consumer reads next is missing while
   later ones are ready, the ready batch farthest ahead is deleted so it can be made.
 """
 
@@ -23,14 +33,39 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from prefetchd_client.layout import DEFAULT_CONSUMER
+
+LAGGING_AHEAD = 2  # batches kept for a lagging consumer: the one it reads and the one it maps next
+
 
 @dataclass
 class RankState:
-    position: int = 0
+    # Consumers' positions. Before any reports, one guess under the default consumer (0, or
+    # the first batch a previous daemon left), dropped when the first consumer reports.
+    positions: dict[str, int] = field(default_factory=lambda: {DEFAULT_CONSUMER: 0})
+    heard: bool = False  # a consumer reported: ``positions`` are reports, not the guess
+    lagging: set[str] = field(default_factory=set)
     ready: set[int] = field(default_factory=set)
     in_flight: set[int] = field(default_factory=set)
-    consumed: int = 0  # batches deleted because the rank passed them
-    parked: bool = False  # its trainer is gone and the policy released its window
+    consumed: dict[str, int] = field(default_factory=dict)  # per consumer: batches passed that were ready
+    consumed_by_gone: int = 0  # by consumers forgotten since (their names are not kept)
+    keeps: tuple[tuple[int, int], ...] = ()  # [start, end) ranges kept, from the positions (Scheduler._settle)
+    last_lead: int = 0  # the leading position when there last was one (status shows a parked rank's)
+
+    @property
+    def parked(self) -> bool:
+        """No consumer reads this rank: their trainers are gone and the policy released it."""
+        return not self.positions
+
+    @property
+    def position(self) -> int:
+        """The leading consumer's position (the rank's one position when it has one consumer)."""
+        return max(self.positions.values(), default=self.last_lead)
+
+    @property
+    def consumed_total(self) -> int:
+        """Batches read by every consumer since the start: a counter, never smaller."""
+        return sum(self.consumed.values()) + self.consumed_by_gone
 
 
 class Scheduler:
@@ -44,7 +79,11 @@ class Scheduler:
         self.capacity = capacity
         self.retain = retain
         self.window = capacity // len(served) - retain
+        self.lag_limit = self.window * 3 // 4
+        self.lag_slots = max(LAGGING_AHEAD, self.window // 2)  # the most a rank keeps for its lagging consumers
         self.ranks = {rank: RankState() for rank in served}
+        for state in self.ranks.values():
+            self._settle(state)
         self.reserved = 0  # slots taken by consumed batches still mapped by a client
 
     @property
@@ -52,34 +91,97 @@ class Scheduler:
         """Batches that occupy the buffer: ready or being written."""
         return sum(len(r.ready) + len(r.in_flight) for r in self.ranks.values())
 
-    def _in_window(self, rank: int, index: int) -> bool:
-        pos = self.ranks[rank].position
-        return pos - self.retain <= index < pos + self.window
+    def _settle(self, state: RankState) -> None:
+        """Who lags, and the ranges the rank keeps, from its consumers' positions."""
+        if not state.positions:
+            state.keeps = ()
+            return
+        lead = state.last_lead = state.position
+        for name, pos in state.positions.items():
+            behind = lead - pos
+            if behind > self.lag_limit:
+                state.lagging.add(name)
+            elif behind <= self.lag_limit // 2:
+                state.lagging.discard(name)
+        state.lagging &= state.positions.keys()
+        anchor = min(pos for name, pos in state.positions.items() if name not in state.lagging)
+        keeps = [(anchor - self.retain, anchor + self.window)]
+        keeps += sorted((state.positions[name], state.positions[name] + LAGGING_AHEAD) for name in state.lagging)
+        state.keeps = tuple(keeps)
 
-    def move_position(self, rank: int, index: int) -> list[int]:
-        """Record that ``rank`` will read ``index`` next; returns ready batches to delete."""
+    def _fronts(self, state: RankState) -> Iterable[tuple[int, int, bool]]:
+        """(position, end, lagging): where each consumer reads, how far ahead of it batches are
+        made, and whether it lags."""
+        if not state.positions:
+            return
+        main_end = state.keeps[0][1]
+        for name, pos in state.positions.items():
+            lagging = name in state.lagging
+            yield pos, pos + LAGGING_AHEAD if lagging else main_end, lagging
+
+    def _served_fronts(self, state: RankState) -> Iterable[tuple[int, int, bool]]:
+        """The fronts batches may be made for now: lagging consumers share ``lag_slots`` (the
+        others keep the rest of the share), and wait while those are taken."""
+        capped = bool(state.lagging) and len(self._held_for_lagging(state)) >= self.lag_slots
+        return (front for front in self._fronts(state) if not (capped and front[2]))
+
+    def _held_for_lagging(self, state: RankState) -> list[int]:
+        """The batches (ready or being made) only lagging consumers keep."""
+        main_start, main_end = state.keeps[0] if state.keeps else (0, 0)
+        return [
+            i
+            for i in state.ready | state.in_flight
+            if not main_start <= i < main_end and any(start <= i < end for start, end in state.keeps[1:])
+        ]
+
+    def _in_window(self, rank: int, index: int) -> bool:
+        return any(start <= index < end for start, end in self.ranks[rank].keeps)
+
+    def move_position(self, rank: int, index: int, consumer: str = DEFAULT_CONSUMER) -> list[int]:
+        """Record that ``consumer`` will read ``index`` next on ``rank``; returns ready batches to delete."""
         state = self.ranks[rank]
-        state.parked = False  # a report means a trainer reads this rank again
-        if index > state.position:
+        if not state.heard:  # the guess makes way for the first report, which reads on from it
+            state.heard = True
+            state.positions = {consumer: state.positions.get(DEFAULT_CONSUMER, 0)}
+        before = state.positions.get(consumer)
+        if before is not None and index > before:
             # In flight too: under load a trainer reads a published batch before the master has
             # the worker's result, and that batch was consumed all the same.
-            state.consumed += sum(1 for i in state.ready | state.in_flight if state.position <= i < index)
-        state.position = index
-        doomed = sorted(i for i in state.ready if not self._in_window(rank, i))
+            passed = sum(1 for i in state.ready | state.in_flight if before <= i < index)
+            state.consumed[consumer] = state.consumed.get(consumer, 0) + passed
+        state.positions[consumer] = index  # a parked consumer reads again
+        return self._drop_outside(state)
+
+    def _drop_outside(self, state: RankState) -> list[int]:
+        self._settle(state)
+        doomed = {i for i in state.ready if not any(start <= i < end for start, end in state.keeps)}
+        doomed.update(self._beyond_lag_slots(state))
         state.ready.difference_update(doomed)
-        return doomed
+        return sorted(doomed)
+
+    def _beyond_lag_slots(self, state: RankState) -> list[int]:
+        """Ready batches only lagging consumers keep, past ``lag_slots`` of them (consumers that
+        fell behind with their batches made, or many of them): a consumer's next batch before
+        its second, the consumers nearest the leader first (they may keep up again)."""
+        held = self._held_for_lagging(state)
+        if len(held) <= self.lag_slots:
+            return []
+        lagging = sorted((state.positions[name] for name in state.lagging), reverse=True)
+        order = {i: (i - next(p for p in lagging if p <= i), -i) for i in held}
+        keep = sorted(held, key=order.__getitem__)[: self.lag_slots]
+        return [i for i in held if i not in keep and i in state.ready]
 
     @property
     def full(self) -> bool:
         return self.held + self.reserved >= self.capacity
 
     def ready_ahead(self, most: int) -> int:
-        """The fewest batches ready from a rank's position on, counted up to ``most`` (0: a trainer
-        waits, or will when it asks; ``most`` when no rank is served)."""
+        """The fewest batches ready from a consumer's position on, counted up to ``most`` (0: a
+        trainer waits, or will when it asks; ``most`` when no rank is served)."""
         fewest = most
         for state in self.ranks.values():
-            if not state.parked:
-                fewest = min(fewest, next((i for i in range(fewest) if state.position + i not in state.ready), fewest))
+            for pos in state.positions.values():
+                fewest = min(fewest, next((i for i in range(fewest) if pos + i not in state.ready), fewest))
         return fewest
 
     def next_task(self) -> tuple[int, int] | None:
@@ -88,47 +190,77 @@ class Scheduler:
             return None
         best = None
         for rank, state in self.ranks.items():
-            if state.parked:
-                continue
-            for distance in range(self.window):
-                index = state.position + distance
-                if index not in state.ready and index not in state.in_flight:
-                    if best is None or distance < best[0]:
-                        best = (distance, rank, index)
-                    break
+            for pos, end, lagging in self._served_fronts(state):
+                for index in range(pos, end):
+                    if index not in state.ready and index not in state.in_flight:
+                        urgency = (index - pos, lagging)  # at equal distance, a consumer that keeps up first
+                        if best is None or urgency < best[0]:
+                            best = (urgency, rank, index)
+                        break
         return None if best is None else (best[1], best[2])
 
     def make_room(self) -> tuple[int, int] | None:
         """(rank, index) of a ready batch to delete, now, so that the batch a trainer waits for
         can be made; None when nothing needs to give way.
 
-        The buffer can be full while a rank's next batch is missing and later ones are ready:
-        a restarted daemon adopted the batches past one that was being written when the last
-        one was killed, and a batch the trainer still maps takes the slot the gap needed.
-        Waiting would never end (the trainer holds its last batch while it waits for the
-        next), so the ready batch farthest ahead of its rank gives its slot back; it is made
-        again later. A gap further ahead needs nothing: the trainer reaches it by consuming,
-        which frees slots. Checking only the next batch keeps this O(ranks) on a full buffer.
+        The buffer can be full while a consumer's next batch is missing and later ones are
+        ready: a restarted daemon adopted the batches past one that was being written when the
+        last one was killed, a batch the trainer still maps takes the slot the gap needed,
+        lagging consumers (or consumers that stopped reading) hold the slots. Waiting would
+        never end (the trainer holds its last batch while it waits for the next), so a ready
+        batch gives its slot back, made again later if it is wanted: first one behind every
+        consumer (retained); then, for a consumer that keeps up, one only lagging consumers
+        keep (they hold nobody back); then the one farthest ahead of its rank's leader (for a
+        lagging consumer, only from the second half of a window: the leader keeps half). A gap
+        further ahead needs nothing: the trainer reaches it by consuming, which frees slots.
+        Checking only the next batches keeps this O(consumers) on a full buffer.
         """
-        if not self.full or all(
-            state.parked or state.position in state.ready or state.position in state.in_flight
+        waiting = [  # consumers whose next batch is missing, and would be made if there were room
+            lagging
             for state in self.ranks.values()
-        ):
+            for pos, _, lagging in self._served_fronts(state)
+            if pos not in state.ready and pos not in state.in_flight
+        ]
+        if not self.full or not waiting:
             return None
+        keeps_up = not all(waiting)  # a consumer that keeps up waits: the others give way to it
+        victim = self._retained_victim() or (keeps_up and self._lagging_victim()) or self._ahead_victim(
+            1 if keeps_up else max(1, self.window // 2)
+        )
+        if victim is None:
+            return None
+        self.ranks[victim[0]].ready.discard(victim[1])
+        return victim
+
+    def _retained_victim(self) -> tuple[int, int] | None:
+        """The ready batch farthest behind every consumer of its rank, if any."""
+        behind = [
+            (index, rank)
+            for rank, state in self.ranks.items()
+            if state.positions
+            for index in state.ready
+            if index < min(state.positions.values())
+        ]
+        return None if not behind else min(behind)[::-1]
+
+    def _lagging_victim(self) -> tuple[int, int] | None:
+        """A ready batch only lagging consumers keep: the one farthest ahead of its consumer (its
+        second batch before anyone's next)."""
+        candidates = [
+            (index - max(p for p in state.positions.values() if p <= index), rank, index)
+            for rank, state in self.ranks.items()
+            for index in self._held_for_lagging(state)
+            if index in state.ready
+        ]
+        return None if not candidates else max(candidates)[1:]
+
+    def _ahead_victim(self, least: int) -> tuple[int, int] | None:
+        """The ready batch farthest ahead of its rank's leader, at least ``least`` ahead."""
         farthest = max(
-            (
-                (index - state.position, rank, index)
-                for rank, state in self.ranks.items()
-                if not state.parked
-                for index in state.ready
-            ),
+            ((index - state.position, rank, index) for rank, state in self.ranks.items() for index in state.ready),
             default=None,
         )
-        if farthest is None or farthest[0] <= 0:  # only retained batches, behind the positions
-            return None
-        _, rank, index = farthest
-        self.ranks[rank].ready.discard(index)
-        return rank, index
+        return None if farthest is None or farthest[0] < least else farthest[1:]
 
     def task_started(self, rank: int, index: int) -> None:
         self.ranks[rank].in_flight.add(index)
@@ -137,19 +269,20 @@ class Scheduler:
         """The batch is published; True if it stays, False if it must be deleted (left its window)."""
         state = self.ranks[rank]
         state.in_flight.discard(index)
-        if self._in_window(rank, index) and not state.parked:
+        if self._in_window(rank, index):
             state.ready.add(index)
             return True
         return False
 
-    def park(self, rank: int) -> list[int]:
-        """Release the window of a rank whose trainer is gone: returns its ready batches to delete;
-        nothing more is made for it until it reports a position again."""
+    def park(self, rank: int, consumer: str = DEFAULT_CONSUMER) -> list[int]:
+        """Forget a consumer whose trainer is gone: returns the ready batches nobody else keeps,
+        to delete; nothing more is made for it until it reports a position again."""
         state = self.ranks[rank]
-        state.parked = True
-        doomed = sorted(state.ready)
-        state.ready.clear()
-        return doomed
+        state.heard = True
+        state.positions.pop(consumer, None)
+        state.lagging.discard(consumer)
+        state.consumed_by_gone += state.consumed.pop(consumer, 0)
+        return self._drop_outside(state)
 
     def task_abandoned(self, rank: int, index: int) -> None:
         """The batch was not produced (its worker died): it becomes missing again."""
@@ -163,7 +296,8 @@ class Scheduler:
         return True
 
     def start_at_adopted(self) -> None:
-        """Until its trainer reports, a rank is assumed at its first adopted batch (not at 0)."""
+        """Until a consumer reports, a rank is assumed at its first adopted batch (not at 0)."""
         for state in self.ranks.values():
-            if state.ready:
-                state.position = min(state.ready)
+            if state.ready and not state.heard:
+                state.positions = {DEFAULT_CONSUMER: min(state.ready)}
+                self._settle(state)

@@ -73,7 +73,7 @@ def start_master(
         # leftovers of another plan, which a start that then failed must not have cost.
         buffer.free_retired(time.monotonic(), sweep=True)  # a previous daemon's retired batches
         buffer.adopt_leftovers()
-        watcher = ProgressWatcher(str(paths.progress_dir))
+        watcher = ProgressWatcher(paths)
         watcher.start()
         stopsignals.check_starting()  # the last check: from here on the master's loop acts on a stop
         master = Master(job, jobdir, pool, buffer, PeerIntake(job, server, watcher), context, keep, started_at)

@@ -1,12 +1,12 @@
-"""Trainer stall accounting: per rank, how long the trainer waited for data.
+"""Trainer stall accounting: per trainer (a rank of a consumer), how long it waited for data.
 
 Pure: the intake hands it the wait totals that come with a position report (the fields and
 their meaning: prefetchd_client.waits), with the time; ``snapshot`` gives what ``status`` and
-the metrics show. A rank whose trainer never sent them (a progress-file trainer, an older
-client) has no entry: its wait is unknown, not zero.
+the metrics show. A trainer that never sent them (a progress-file trainer, an older client)
+has no entry: its wait is unknown, not zero. Trainers are keyed by (rank, consumer).
 
-Totals are kept per rank since the daemon started: each loader's growth is added, so a
-restarted trainer (a new loader id) adds to the rank's totals. The share of the last minute
+Totals are kept per trainer since the daemon started: each loader's growth is added, so a
+restarted trainer (a new loader id) adds to its rank's totals. The share of the last minute
 comes from a short history of the running total, one point a second. A loader's first report
 counts in the totals but not in that share: it carries what the loader waited before this
 daemon heard of it (under a daemon restarted beside a running trainer, minutes of it), which
@@ -43,24 +43,34 @@ class RankWaits:
     history: collections.deque = field(default_factory=collections.deque)
 
 
+Key = tuple[int, str]  # (rank, consumer)
+
+
+def _trainer(key: Key) -> str:
+    rank, consumer = key
+    return f"rank {rank} of consumer {consumer!r}" if consumer else f"rank {rank}"
+
+
 class StallLedger:
     def __init__(self) -> None:
-        self.ranks: dict[int, RankWaits] = {}
+        self.ranks: dict[Key, RankWaits] = {}
 
-    def note(self, rank: int, loader: int, wait_s: float, waited_steps: int, steps: int, now: float) -> None:
+    def note(self, key: Key, loader: int, wait_s: float, waited_steps: int, steps: int, now: float) -> None:
         """Add a report's totals (already schema-checked: non-negative, finite); BadWaits when
         they are out of range or went backwards for the same loader (nothing changes then)."""
         if wait_s > MAX_WAIT_S or max(waited_steps, steps, loader) > MAX_COUNT:
-            raise BadWaits(f"rank {rank}: wait totals out of range ({wait_s!r:.20} s, {waited_steps}/{steps} steps)")
-        waits = self.ranks.get(rank)
+            raise BadWaits(
+                f"{_trainer(key)}: wait totals out of range ({wait_s!r:.20} s, {waited_steps}/{steps} steps)"
+            )
+        waits = self.ranks.get(key)
         if waits is None:
-            waits = self.ranks[rank] = RankWaits()
+            waits = self.ranks[key] = RankWaits()
             waits.history.append((now, 0.0))  # a share from here on
         totals = (float(wait_s), waited_steps, steps)
         new_loader = waits.loader != loader
         before = (0.0, 0, 0) if new_loader else waits.last  # a new loader counts from 0
         if any(now_ < then for now_, then in zip(totals, before)):
-            raise BadWaits(f"rank {rank}: wait totals went backwards for the same loader ({before} -> {totals})")
+            raise BadWaits(f"{_trainer(key)}: wait totals went backwards for the same loader ({before} -> {totals})")
         if new_loader:
             waits.unseen_s += totals[0]
         waits.seconds += totals[0] - before[0]
@@ -79,10 +89,13 @@ class StallLedger:
         while len(history) > 2 and history[1][0] <= now - WINDOW_S:
             history.popleft()  # keep one point at or before the window's start
 
-    def snapshot(self, rank: int, now: float) -> dict | None:
-        """What status shows for ``rank``: totals and the last minute's share of wall time
-        spent waiting; None when its trainer never sent its waits."""
-        waits = self.ranks.get(rank)
+    def forget(self, key: Key) -> None:
+        self.ranks.pop(key, None)
+
+    def snapshot(self, key: Key, now: float) -> dict | None:
+        """What status shows for a trainer: totals and the last minute's share of wall time
+        spent waiting; None when it never sent its waits."""
+        waits = self.ranks.get(key)
         if waits is None:
             return None
         return {

@@ -51,19 +51,23 @@ def job_status(m) -> dict:  # m: the prefetchd.master.loop.Master, which imports
     buffer, plan, intake = m.buffer, m.job.plan, m.intake
     ranks = []
     for r, state in buffer.scheduler.ranks.items():
+        consumers = _consumers_status(r, state, plan, intake, now)
         epoch, step = plan.unlinear(state.position)
-        last = intake.last_report.get(r)
+        ages = [c["last_report_s_ago"] for c in consumers if c["last_report_s_ago"] is not None]
+        waits = [c["wait"] for c in consumers if c["wait"] is not None]
+        trainers = {c["trainer"] for c in consumers}
         ranks.append(
-            {
+            {  # the rank as a whole: its leading consumer's position, the trainer that waits most
                 "rank": r,
-                "trainer": intake.trainers[r],
+                "trainer": next((t for t in ("alive", "gone") if t in trainers), "never"),
                 "epoch": epoch,
                 "step": step,
                 "ready": len(state.ready),
                 "in_flight": len(state.in_flight),
-                "consumed": state.consumed,
-                "last_report_s_ago": None if last is None else round(now - last, 3),
-                "wait": intake.stalls.snapshot(r, now),  # None: unknown (a progress-file trainer, or none yet)
+                "consumed": state.consumed_total,
+                "last_report_s_ago": min(ages, default=None),
+                "wait": max(waits, key=lambda w: w["last_minute_share"], default=None),
+                "consumers": consumers,
             }
         )
     workers = m.pool.snapshot()
@@ -95,7 +99,7 @@ def job_status(m) -> dict:  # m: the prefetchd.master.loop.Master, which imports
             **m.pauses.outage.snapshot(now),
             "stores": m.pool.io_status(),
         },
-        "executor": m.pool.executor_status(),
+        "executor": m.pool.executor_status() | {"auto": m.demand.snapshot()[2]},  # --ray-workers auto, or None
         "workers": {
             "count": len(workers),
             "busy": sum(w["task"] is not None for w in workers),
@@ -103,7 +107,7 @@ def job_status(m) -> dict:  # m: the prefetchd.master.loop.Master, which imports
             "pids": [w["pid"] for w in workers],
             "each": workers,
             # --workers auto (min, max, target, changes) and the node's CPU budget (cpus, lease, jobs): None if unused
-            **dict(zip(("auto", "budget"), m.demand.snapshot())),
+            **dict(zip(("auto", "budget"), m.demand.snapshot()[:2])),
         },
         "rates": {
             "produced_batches_per_s": round(produced_per_s, 2),
@@ -120,10 +124,37 @@ def job_status(m) -> dict:  # m: the prefetchd.master.loop.Master, which imports
             "refused": dict(intake.refusals.counts),  # peer input dropped, by kind (prefetchd.master.intake)
             # Counters since the start, for /metrics (prefetchd.ops.metrics); workers.restarts is the last minute's.
             "produced_images": m.produced * m.config.batch_size,
-            "consumed_images": sum(r.consumed for r in buffer.scheduler.ranks.values()) * m.config.batch_size,
+            # read by trainers: a batch read by two consumers counts twice (produced counts it once)
+            "consumed_images": sum(r.consumed_total for r in buffer.scheduler.ranks.values()) * m.config.batch_size,
             "worker_restarts": m.worker_restarts,
         },
     }
+
+
+def _consumers_status(rank: int, state, plan, intake, now: float) -> list[dict]:
+    """Each consumer reading ``rank`` (one, the default "", unless several trainers read the job):
+    its position (None once its trainer left and its window was released), whether it lags
+    (served on demand, scheduler.py), what it consumed, its trainer and its waits."""
+    out = []
+    for name in intake.consumers:
+        index, trainer = state.positions.get(name), intake.trainers.get((rank, name), "never")
+        if index is None and trainer == "never":
+            continue
+        epoch, step = (None, None) if index is None else plan.unlinear(index)
+        last = intake.last_report.get((rank, name))
+        out.append(
+            {
+                "consumer": name,
+                "trainer": trainer,
+                "epoch": epoch,
+                "step": step,
+                "lagging": name in state.lagging,
+                "consumed": state.consumed.get(name, 0),
+                "last_report_s_ago": None if last is None else round(now - last, 3),
+                "wait": intake.stalls.snapshot((rank, name), now),  # None: unknown (a progress-file trainer, none yet)
+            }
+        )
+    return out
 
 
 def _mix_status(m) -> list[dict]:

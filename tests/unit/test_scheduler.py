@@ -1,6 +1,8 @@
 """Scheduling decisions, without processes: urgency, the bound, deletion, pausing, seeking."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from prefetchd.master.scheduler import Scheduler
 
@@ -27,7 +29,7 @@ def test_consumed_batches_are_deleted_and_refilled_across_epochs():
     drain(s)
     assert s.move_position(0, 2) == [0, 1]
     assert drain(s) == [(0, 3), (0, 4)]
-    assert s.ranks[0].consumed == 2
+    assert s.ranks[0].consumed_total == 2
 
 
 def test_paused_rank_pins_its_window_while_others_go_on():
@@ -128,3 +130,166 @@ def test_make_room_only_gives_a_slot_to_a_batch_nearer_than_the_one_it_takes():
     s.reserved = 2
     assert s.make_room() == (1, 1)
     assert s.next_task() == (1, 0)
+
+
+# -- several consumers of one job (one trainer each) --------------------------------------------
+
+
+def test_two_consumers_share_each_batch_and_free_it_when_both_passed():
+    s = Scheduler(ranks=1, capacity=8)
+    s.move_position(0, 0, "a")
+    s.move_position(0, 0, "b")
+    assert drain(s) == [(0, i) for i in range(8)]  # made once, not once per consumer
+    assert s.move_position(0, 3, "a") == []  # b still reads 0..2
+    assert drain(s) == []  # the window is anchored at b, the rearmost that keeps up
+    assert s.move_position(0, 2, "b") == [0, 1]
+    assert drain(s) == [(0, 8), (0, 9)]
+    assert s.ranks[0].consumed == {"a": 3, "b": 2} and s.ranks[0].consumed_total == 5
+
+
+def test_a_consumer_far_behind_is_served_on_demand_and_holds_nobody_back():
+    s = Scheduler(ranks=1, capacity=8)
+    assert s.lag_limit == 6
+    s.move_position(0, 0, "a")
+    s.move_position(0, 0, "b")
+    drain(s)
+    # b, 7 behind, lags: it keeps its next two batches, a its window; the rest goes
+    assert s.move_position(0, 7, "a") == [2, 3, 4, 5, 6]
+    assert s.ranks[0].lagging == {"b"}
+    assert s.ranks[0].keeps == ((7, 15), (0, 2))
+    assert s.move_position(0, 1, "b") == [0]
+    assert sorted(drain(s)) == [(0, 2)] + [(0, i) for i in range(8, 13)]  # b's next, a's window: 8 in all
+    assert s.held == 8 and s.next_task() is None
+
+
+def test_a_lagging_consumer_keeps_up_again_only_well_within_the_limit():
+    s = Scheduler(ranks=1, capacity=8)  # lag limit 6, back within 3
+    s.move_position(0, 10, "a")
+    s.move_position(0, 3, "b")
+    assert s.ranks[0].lagging == {"b"}
+    s.move_position(0, 5, "b")  # 5 behind: within the limit, not yet within half of it
+    assert s.ranks[0].lagging == {"b"}
+    s.move_position(0, 7, "b")
+    assert s.ranks[0].lagging == set() and s.ranks[0].keeps == ((7, 15),)
+
+
+def test_a_full_buffer_makes_room_for_a_lagging_consumers_next_batch():
+    s = Scheduler(ranks=1, capacity=4)
+    s.move_position(0, 10, "a")
+    drain(s)  # a's window 10..13 fills the buffer
+    s.move_position(0, 0, "b")  # a newcomer reading from the start
+    assert s.next_task() is None
+    assert s.make_room() == (0, 13)  # a's farthest batch gives way
+    assert s.next_task() == (0, 0)
+
+
+def test_a_consumer_that_leaves_frees_only_what_nobody_else_keeps():
+    s = Scheduler(ranks=1, capacity=6)
+    s.move_position(0, 0, "a")
+    s.move_position(0, 2, "b")
+    drain(s)
+    assert s.park(0, "a") == [0, 1]  # b is past them
+    assert s.ranks[0].positions == {"b": 2}
+    assert drain(s) == [(0, 6), (0, 7)]
+    assert s.park(0, "b") == [2, 3, 4, 5, 6, 7] and s.ranks[0].parked
+    assert drain(s) == []
+
+
+def test_the_first_report_reads_on_from_the_guess_whatever_its_consumer():
+    s = Scheduler(ranks=1, capacity=4)
+    for index in (5, 6, 7):
+        s.adopt(0, index)
+    s.start_at_adopted()
+    assert s.ranks[0].positions == {"": 5}
+    s.move_position(0, 6, "a")
+    assert s.ranks[0].positions == {"a": 6} and s.ranks[0].consumed == {"a": 1}
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["move", "make", "finish", "park", "pin"]), st.integers(0, 1),
+                  st.sampled_from(["", "a", "b"]), st.integers(-3, 12)),
+        max_size=80,
+    )
+)
+@settings(max_examples=300, deadline=None)
+def test_any_mix_of_consumers_keeps_the_bound_and_only_what_someone_keeps(ops):
+    s = Scheduler(ranks=2, capacity=10, retain=1)
+    in_flight = []
+    for op, rank, consumer, n in ops:
+        state = s.ranks[rank]
+        if op == "move":
+            s.move_position(rank, max(0, state.positions.get(consumer, 0) + n), consumer)
+        elif op == "make":
+            for _ in range(n % 4):
+                task = s.next_task() or s.make_room() and s.next_task()
+                if task:
+                    s.task_started(*task)
+                    in_flight.append(task)
+        elif op == "finish" and in_flight:
+            s.task_finished(*in_flight.pop(n % len(in_flight)))
+        elif op == "park":
+            s.park(rank, consumer)
+        else:
+            s.reserved = n % 3
+        assert s.held <= s.capacity  # in flight and ready; reserved slots only stop new tasks
+        for st_ in s.ranks.values():
+            assert all(any(a <= i < b for a, b in st_.keeps) for i in st_.ready)
+            if st_.positions:
+                lead = max(st_.positions.values())
+                assert all(lead - st_.positions[c] > s.lag_limit // 2 for c in st_.lagging)
+
+
+def test_lagging_consumers_that_hold_every_slot_give_way_to_one_that_keeps_up():
+    """An attack's case: paused consumers far behind (or names with no trainer) took the buffer
+    before the leader came; the leader's next batch must still be made."""
+    s = Scheduler(ranks=1, capacity=8, retain=2)  # window 6: lag limit 4, at most 3 for the lagging
+    for name, pos in (("c1", 2), ("c2", 4), ("c3", 6), ("c4", 8)):
+        s.move_position(0, pos, name)
+    drain(s)
+    s.move_position(0, 30, "a")  # the leader, from a later checkpoint: c1..c4 all lag now
+    assert s.ranks[0].lagging == {"c1", "c2", "c3", "c4"}
+    for _ in range(20):  # the leader reads on; whatever the lagging hold, its next batch comes
+        index = s.ranks[0].positions["a"]
+        while index not in s.ranks[0].ready:
+            task = s.next_task() or (s.make_room() and s.next_task())
+            assert task is not None, (s.ranks[0], s.held)
+            s.task_started(*task)
+            s.task_finished(*task)
+        s.move_position(0, index + 1, "a")
+        assert len(s._held_for_lagging(s.ranks[0])) <= s.lag_slots
+    drain(s)
+    assert len([i for i in s.ranks[0].ready if i >= 50]) >= 3  # the leader has a runway, not one batch
+
+
+def test_a_lagging_consumer_takes_only_the_second_half_of_a_leaders_window():
+    s = Scheduler(ranks=1, capacity=8)  # window 8
+    s.move_position(0, 20, "lead")
+    drain(s)  # 20..27
+    s.move_position(0, 0, "late")
+    assert s.make_room() == (0, 27)  # from the second half: the leader keeps 20..23 at least
+    assert s.next_task() == (0, 0)
+    s.task_started(0, 0)
+    s.task_finished(0, 0)
+    for _ in range(4):
+        s.make_room()
+    assert min(i for i in s.ranks[0].ready if i >= 20) == 20 and s.ranks[0].ready >= {20, 21, 22, 23}
+
+
+def test_lagging_consumers_past_their_slots_wait_instead_of_churning_the_leaders_window():
+    """An attack's case: 15 names far behind with no trainer; making room for them in turn
+    deleted and remade the leader's batches forever (1,130 batches made in a pause)."""
+    s = Scheduler(ranks=1, capacity=8, retain=2)
+    s.move_position(0, 40, "lead")
+    for i in range(15):
+        s.move_position(0, i, f"fake{i}")
+    made = 0
+    for _ in range(200):  # the master's turns, nobody reading
+        task = s.next_task() or (s.make_room() and s.next_task())
+        if task is None:
+            break
+        s.task_started(*task)
+        s.task_finished(*task)
+        made += 1
+    assert made <= 8, made  # the buffer filled once, then nothing more
+    assert len(s._held_for_lagging(s.ranks[0])) <= s.lag_slots

@@ -389,7 +389,7 @@ def test_the_fast_decoders_are_deterministic_and_hashed_apart_from_pillow(tmp_pa
 
 
 def test_verify_mode_refuses_a_batch_whose_bytes_were_changed(tmp_path, jpeg_folder, serve):
-    """The client's test mode recomputes the CRC-32 the worker recorded: one flipped bit in a
+    """The client's test mode recomputes the digest the worker recorded: one flipped bit in a
     published batch is a BatchFormatError naming the file, not a silently wrong step."""
     from prefetchd_client import BatchFormatError
     from prefetchd_client.batchfile import map_batch
@@ -405,7 +405,7 @@ def test_verify_mode_refuses_a_batch_whose_bytes_were_changed(tmp_path, jpeg_fol
     finally:
         os.close(fd)
     loader = PrefetchLoader("job", as_tensors=False, verify=True)
-    with pytest.raises(BatchFormatError, match=f"{first.name}.*CRC-32"):
+    with pytest.raises(BatchFormatError, match=f"{first.name}.*do not match the digest"):
         next(iter(loader))
     loader.close()
 

@@ -33,12 +33,12 @@ pytestmark = pytest.mark.timeout(120)
 
 def test_a_rank_sums_the_growth_of_each_loader_and_a_new_loader_adds_to_it():
     ledger = StallLedger()
-    ledger.note(0, loader=1, wait_s=2.0, waited_steps=3, steps=10, now=100.0)
-    ledger.note(0, loader=1, wait_s=5.0, waited_steps=4, steps=20, now=101.0)
-    ledger.note(0, loader=2, wait_s=1.5, waited_steps=1, steps=5, now=102.0)  # a restarted trainer
-    snap = ledger.snapshot(0, 102.0)
+    ledger.note((0, ""), loader=1, wait_s=2.0, waited_steps=3, steps=10, now=100.0)
+    ledger.note((0, ""), loader=1, wait_s=5.0, waited_steps=4, steps=20, now=101.0)
+    ledger.note((0, ""), loader=2, wait_s=1.5, waited_steps=1, steps=5, now=102.0)  # a restarted trainer
+    snap = ledger.snapshot((0, ""), 102.0)
     assert (snap["seconds_total"], snap["waited_steps_total"], snap["steps_total"]) == (6.5, 5, 25)
-    assert ledger.snapshot(1, 102.0) is None  # never reported: unknown, not 0
+    assert ledger.snapshot((1, ""), 102.0) is None  # never reported: unknown, not 0
 
 
 @pytest.mark.parametrize(
@@ -54,36 +54,36 @@ def test_a_rank_sums_the_growth_of_each_loader_and_a_new_loader_adds_to_it():
 )
 def test_totals_no_loader_sends_are_refused_and_change_nothing(report, why):
     ledger = StallLedger()
-    ledger.note(0, 1, 5.0, 4, 20, now=10.0)
-    before = ledger.snapshot(0, 11.0)
+    ledger.note((0, ""), 1, 5.0, 4, 20, now=10.0)
+    before = ledger.snapshot((0, ""), 11.0)
     loader, wait_s, waited, steps = report
     with pytest.raises(BadWaits, match=why):
-        ledger.note(0, loader, wait_s, waited, steps, now=11.0)
-    assert ledger.snapshot(0, 11.0) == before
+        ledger.note((0, ""), loader, wait_s, waited, steps, now=11.0)
+    assert ledger.snapshot((0, ""), 11.0) == before
 
 
 def test_the_last_minute_share_is_the_wait_over_wall_time_and_decays_when_no_wait_comes():
     ledger = StallLedger()
-    ledger.note(0, 7, 0.0, 0, 0, now=0.0)
+    ledger.note((0, ""), 7, 0.0, 0, 0, now=0.0)
     for t in range(1, 121):  # two minutes: the first waits 30 s of 60, the second waits nothing
         wait = min(t, 60) * 0.5
-        ledger.note(0, 7, wait, 0, t, now=float(t))
+        ledger.note((0, ""), 7, wait, 0, t, now=float(t))
         if t == 60:
-            assert ledger.snapshot(0, 60.0)["last_minute_share"] == pytest.approx(0.5, abs=0.01)
+            assert ledger.snapshot((0, ""), 60.0)["last_minute_share"] == pytest.approx(0.5, abs=0.01)
         if t == 90:  # half a minute of waiting half the time, half a minute of none
-            assert ledger.snapshot(0, 90.0)["last_minute_share"] == pytest.approx(0.25, abs=0.02)
-    assert ledger.snapshot(0, 120.0)["last_minute_share"] == pytest.approx(0.0, abs=0.01)
+            assert ledger.snapshot((0, ""), 90.0)["last_minute_share"] == pytest.approx(0.25, abs=0.02)
+    assert ledger.snapshot((0, ""), 120.0)["last_minute_share"] == pytest.approx(0.0, abs=0.01)
     # A first report carrying a long wait from before it (a daemon restarted beside a running
     # trainer): in the totals, not in the last minute's share; what comes after it is.
-    ledger.note(1, 8, 500.0, 9, 10, now=5.0)
-    assert ledger.snapshot(1, 5.5)["seconds_total"] == 500.0
-    assert ledger.snapshot(1, 5.5)["last_minute_share"] == 0.0
-    ledger.note(1, 8, 505.0, 10, 20, now=15.0)
-    assert ledger.snapshot(1, 15.0)["last_minute_share"] == pytest.approx(0.5, abs=1e-3)
-    ledger.note(1, 9, 1.0, 1, 1, now=16.0)  # a restarted trainer: its first report too
-    assert ledger.snapshot(1, 16.0)["seconds_total"] == 506.0
-    assert ledger.snapshot(1, 16.0)["last_minute_share"] == pytest.approx(5 / 11, abs=1e-3)
-    assert ledger.snapshot(1, 5.0 + 10 * WINDOW_S)["last_minute_share"] == 0.0
+    ledger.note((1, ""), 8, 500.0, 9, 10, now=5.0)
+    assert ledger.snapshot((1, ""), 5.5)["seconds_total"] == 500.0
+    assert ledger.snapshot((1, ""), 5.5)["last_minute_share"] == 0.0
+    ledger.note((1, ""), 8, 505.0, 10, 20, now=15.0)
+    assert ledger.snapshot((1, ""), 15.0)["last_minute_share"] == pytest.approx(0.5, abs=1e-3)
+    ledger.note((1, ""), 9, 1.0, 1, 1, now=16.0)  # a restarted trainer: its first report too
+    assert ledger.snapshot((1, ""), 16.0)["seconds_total"] == 506.0
+    assert ledger.snapshot((1, ""), 16.0)["last_minute_share"] == pytest.approx(5 / 11, abs=1e-3)
+    assert ledger.snapshot((1, ""), 5.0 + 10 * WINDOW_S)["last_minute_share"] == 0.0
 
 
 @settings(max_examples=60, deadline=None)
@@ -98,12 +98,12 @@ def test_totals_are_the_sum_of_each_loaders_last_report(steps):
     for t, (loader, dw, dn, ds) in enumerate(steps):
         w, n, s = totals.get(loader, (0.0, 0, 0)) if loader == current else (0.0, 0, 0)
         w, n, s = w + dw, n + dn, s + ds
-        ledger.note(0, loader, w, n, s, now=float(t))
+        ledger.note((0, ""), loader, w, n, s, now=float(t))
         before = totals.get(loader, (0.0, 0, 0)) if loader == current else (0.0, 0, 0)
         expected = [expected[0] + w - before[0], expected[1] + n - before[1], expected[2] + s - before[2]]
         totals[loader], current, last = (w, n, s), loader, loader
     if last is not None:
-        snap = ledger.snapshot(0, float(len(steps)))
+        snap = ledger.snapshot((0, ""), float(len(steps)))
         assert snap["seconds_total"] == pytest.approx(expected[0], abs=1e-5)
         assert (snap["waited_steps_total"], snap["steps_total"]) == (expected[1], expected[2])
 

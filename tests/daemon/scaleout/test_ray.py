@@ -14,6 +14,7 @@ import shutil
 import signal
 import tempfile
 import textwrap
+import time
 
 import psutil
 import pytest
@@ -86,7 +87,7 @@ def cluster(pipelines_dir):
     cluster.shutdown()
 
 
-def ray_flags(cluster: Cluster, *, workers: int = 0, ray_workers: int = 2) -> list[str]:
+def ray_flags(cluster: Cluster, *, workers: int = 0, ray_workers: int | str = 2) -> list[str]:
     return [
         "--executor", "ray", "--ray-address", cluster.address, "--ray-resources", "prep=1",
         "--workers", str(workers), "--ray-workers", str(ray_workers),
@@ -132,6 +133,43 @@ def test_ray_batches_equal_local_ones(cluster, job_root, jpeg_folder, tmp_path):
     assert streams("job", 2) == reference, "batches made on Ray differ from local ones"
     buffer = job_status(paths)["buffer"]
     assert buffer["peak_bytes"] <= buffer["bound_bytes"]
+
+
+def test_ray_tasks_in_flight_follow_the_trainer_with_auto(cluster, job_root, jpeg_folder, tmp_path, serve):
+    """--ray-workers auto: a slow trainer leaves the cluster's slots idle and they are parked (the
+    cluster's CPUs free), a trainer that waits brings them back; the batches are a local worker's."""
+    reference = streams_in_process(serve, write_config(tmp_path, jpeg_folder, name="ref", buffer="2M"), "ref")
+    config = write_config(tmp_path, jpeg_folder, buffer="2M")
+    paths = start_job(config, *ray_flags(cluster, ray_workers="auto"), "--max-ray-workers", "4")
+    assert job_status(paths)["executor"]["auto"] == {"min": 1, "max": 4, "target": 4, "changes": 0}
+    loader = PrefetchLoader("job", rank=0, world_size=1, as_tensors=False, timeout=60)
+    seen = []
+
+    batches = (batch for _ in range(1000) for batch in loader)
+
+    def read_until(target, reads: int, step_s: float, what: str) -> None:
+        """Read ``reads`` batches between looks at the status, ``step_s`` after each."""
+        while job_status(paths)["executor"]["auto"]["target"] != target:
+            assert len(seen) < 3000, f"no {what}: {job_status(paths)['executor']}"
+            for _ in range(reads):
+                seen.append(digest(next(batches)))
+                time.sleep(step_s)
+
+    read_until(1, 1, 0.2, "slots parked under a slow trainer")
+    assert job_status(paths)["executor"]["in_flight"] <= 1
+    read_until(4, 40, 0.0, "slots back for a waiting trainer")
+    loader.close()
+    assert seen[: len(reference)] == reference[: len(seen)], "batches under --ray-workers auto differ from local ones"
+    assert "ray tasks in flight: 4 -> " in paths.log.read_text()  # each change logged
+
+
+def streams_in_process(serve, config, job: str, epochs: int = 2) -> list:
+    """The digests of ``epochs`` epochs of an in-process job with one local worker."""
+    serve(config, {"workers": 1})
+    loader = PrefetchLoader(job, rank=0, world_size=1, as_tensors=False, timeout=60)
+    out = [digest(batch) for _ in range(epochs) for batch in loader]
+    loader.close()
+    return out
 
 
 @pytest.mark.long
