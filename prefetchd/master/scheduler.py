@@ -14,9 +14,10 @@ that keeps up: one behind the leading consumer by at most ``lag_limit`` (three q
 the window: the leader keeps a quarter ahead of it). A batch is made once for all of them and
 deleted when they all passed it. A consumer further behind is *lagging*: it keeps only
 ``[position, position + LAGGING_AHEAD)``, made for it on demand (again, if the others had
-it made), and holds nobody back. It keeps up again once within half the limit (not at the
-limit: a consumer about as fast as the leader would flip at every step, each flip deleting
-batches the next one remakes).
+it made), and holds nobody back: lagging consumers share ``lag_slots`` of a rank, the one
+served longest ago first (``make_room`` says which of their batches give way). It keeps up
+again once within half the limit (not at the limit: a consumer about as fast as the leader
+would flip at every step, each flip deleting batches the next one remakes).
 
 - Produce: the missing batch nearest to a consumer's position, over all ranks (the most
   urgent first), while the buffer holds fewer than ``capacity`` batches (ready or being
@@ -36,6 +37,9 @@ from dataclasses import dataclass, field
 from prefetchd_client.layout import DEFAULT_CONSUMER
 
 LAGGING_AHEAD = 2  # batches kept for a lagging consumer: the one it reads and the one it maps next
+# A batch made for a lagging consumer that has not reported since, while this many positions
+# came from all consumers (seconds, when they read), is the slot of one that stopped reading.
+UNREAD_AFTER_REPORTS = 64
 
 
 @dataclass
@@ -51,6 +55,9 @@ class RankState:
     consumed_by_gone: int = 0  # by consumers forgotten since (their names are not kept)
     keeps: tuple[tuple[int, int], ...] = ()  # [start, end) ranges kept, from the positions (Scheduler._settle)
     last_lead: int = 0  # the leading position when there last was one (status shows a parked rank's)
+    moved: dict[str, int] = field(default_factory=dict)  # per consumer: the scheduler's count of reports at its last
+    made_at: dict[int, int] = field(default_factory=dict)  # per ready batch: that count when it was made
+    served: dict[str, int] = field(default_factory=dict)  # per consumer: that count when its next batch was last made
 
     @property
     def parked(self) -> bool:
@@ -81,6 +88,7 @@ class Scheduler:
         self.window = capacity // len(served) - retain
         self.lag_limit = self.window * 3 // 4
         self.lag_slots = max(LAGGING_AHEAD, self.window // 2)  # the most a rank keeps for its lagging consumers
+        self._reports = 0  # positions applied: a clock of activity, not of time (the scheduler has none)
         self.ranks = {rank: RankState() for rank in served}
         for state in self.ranks.values():
             self._settle(state)
@@ -109,21 +117,25 @@ class Scheduler:
         keeps += sorted((state.positions[name], state.positions[name] + LAGGING_AHEAD) for name in state.lagging)
         state.keeps = tuple(keeps)
 
-    def _fronts(self, state: RankState) -> Iterable[tuple[int, int, bool]]:
-        """(position, end, lagging): where each consumer reads, how far ahead of it batches are
-        made, and whether it lags."""
+    def _fronts(self, state: RankState) -> Iterable[tuple[str, int, int, bool]]:
+        """(consumer, position, end, lagging): where each consumer reads, how far ahead of it
+        batches are made, and whether it lags."""
         if not state.positions:
             return
         main_end = state.keeps[0][1]
         for name, pos in state.positions.items():
             lagging = name in state.lagging
-            yield pos, pos + LAGGING_AHEAD if lagging else main_end, lagging
+            yield name, pos, pos + LAGGING_AHEAD if lagging else main_end, lagging
+
+    def _capped(self, state: RankState) -> bool:
+        """Its lagging consumers hold ``lag_slots`` batches: nothing more is made for them."""
+        return bool(state.lagging) and len(self._held_for_lagging(state)) >= self.lag_slots
 
     def _served_fronts(self, state: RankState) -> Iterable[tuple[int, int, bool]]:
         """The fronts batches may be made for now: lagging consumers share ``lag_slots`` (the
         others keep the rest of the share), and wait while those are taken."""
-        capped = bool(state.lagging) and len(self._held_for_lagging(state)) >= self.lag_slots
-        return (front for front in self._fronts(state) if not (capped and front[2]))
+        capped = self._capped(state)
+        return (front for front in self._fronts(state) if not (capped and front[3]))
 
     def _held_for_lagging(self, state: RankState) -> list[int]:
         """The batches (ready or being made) only lagging consumers keep."""
@@ -133,6 +145,10 @@ class Scheduler:
             for i in state.ready | state.in_flight
             if not main_start <= i < main_end and any(start <= i < end for start, end in state.keeps[1:])
         ]
+
+    def _owner(self, state: RankState, index: int) -> str:
+        """The lagging consumer a batch only lagging consumers keep is kept for (the nearest behind it)."""
+        return max((state.positions[n], n) for n in state.lagging if state.positions[n] <= index)[1]
 
     def _in_window(self, rank: int, index: int) -> bool:
         return any(start <= index < end for start, end in self.ranks[rank].keeps)
@@ -150,6 +166,8 @@ class Scheduler:
             passed = sum(1 for i in state.ready | state.in_flight if before <= i < index)
             state.consumed[consumer] = state.consumed.get(consumer, 0) + passed
         state.positions[consumer] = index  # a parked consumer reads again
+        self._reports += 1
+        state.moved[consumer] = self._reports
         return self._drop_outside(state)
 
     def _drop_outside(self, state: RankState) -> list[int]:
@@ -157,19 +175,25 @@ class Scheduler:
         doomed = {i for i in state.ready if not any(start <= i < end for start, end in state.keeps)}
         doomed.update(self._beyond_lag_slots(state))
         state.ready.difference_update(doomed)
+        for index in doomed:
+            state.made_at.pop(index, None)
         return sorted(doomed)
 
     def _beyond_lag_slots(self, state: RankState) -> list[int]:
         """Ready batches only lagging consumers keep, past ``lag_slots`` of them (consumers that
-        fell behind with their batches made, or many of them): a consumer's next batch before
-        its second, the consumers nearest the leader first (they may keep up again)."""
+        fell behind with their batches made, or many of them): those of the consumers that
+        reported last are kept, each one's next batch before its second."""
         held = self._held_for_lagging(state)
         if len(held) <= self.lag_slots:
             return []
-        lagging = sorted((state.positions[name] for name in state.lagging), reverse=True)
-        order = {i: (i - next(p for p in lagging if p <= i), -i) for i in held}
-        keep = sorted(held, key=order.__getitem__)[: self.lag_slots]
+        keep = sorted(held, key=lambda i: self._staleness(state, i))[: self.lag_slots]
         return [i for i in held if i not in keep and i in state.ready]
+
+    def _staleness(self, state: RankState, index: int) -> tuple[int, int]:
+        """How little a batch only lagging consumers keep is wanted: its consumer's last report
+        the longest ago first, then the farthest from it."""
+        owner = self._owner(state, index)
+        return -state.moved.get(owner, 0), index - state.positions[owner]
 
     @property
     def full(self) -> bool:
@@ -190,10 +214,11 @@ class Scheduler:
             return None
         best = None
         for rank, state in self.ranks.items():
-            for pos, end, lagging in self._served_fronts(state):
+            for name, pos, end, lagging in self._served_fronts(state):
                 for index in range(pos, end):
                     if index not in state.ready and index not in state.in_flight:
-                        urgency = (index - pos, lagging)  # at equal distance, a consumer that keeps up first
+                        # at equal distance, a consumer that keeps up first, then the one served longest ago
+                        urgency = (index - pos, lagging, state.served.get(name, -1))
                         if best is None or urgency < best[0]:
                             best = (urgency, rank, index)
                         break
@@ -208,38 +233,66 @@ class Scheduler:
         last one was killed, a batch the trainer still maps takes the slot the gap needed,
         lagging consumers (or consumers that stopped reading) hold the slots. Waiting would
         never end (the trainer holds its last batch while it waits for the next), so a ready
-        batch gives its slot back, made again later if it is wanted: first one behind every
-        consumer (retained); then, for a consumer that keeps up, one only lagging consumers
-        keep (they hold nobody back); then the one farthest ahead of its rank's leader (for a
-        lagging consumer, only from the second half of a window: the leader keeps half). A gap
-        further ahead needs nothing: the trainer reaches it by consuming, which frees slots.
-        Checking only the next batches keeps this O(consumers) on a full buffer.
+        batch gives its slot back, made again later if it is wanted:
+
+        - for a consumer that keeps up: a retained batch, else one only lagging consumers keep
+          (they hold nobody back), else the one farthest ahead of its rank's leader;
+        - for a lagging one: a batch kept for a lagging consumer that reported less lately than
+          it (one paused, or a name with no trainer, cannot hold ``lag_slots`` for good), else,
+          on a full buffer, a retained batch or one from the second half of a leader's window
+          (the leader keeps half).
+
+        A gap further ahead needs nothing: the trainer reaches it by consuming, which frees
+        slots. Checking only the next batches keeps this O(consumers) on a full buffer.
         """
-        waiting = [  # consumers whose next batch is missing, and would be made if there were room
-            lagging
-            for state in self.ranks.values()
-            for pos, _, lagging in self._served_fronts(state)
-            if pos not in state.ready and pos not in state.in_flight
-        ]
-        if not self.full or not waiting:
-            return None
-        keeps_up = not all(waiting)  # a consumer that keeps up waits: the others give way to it
-        victim = self._retained_victim() or (keeps_up and self._lagging_victim()) or self._ahead_victim(
-            1 if keeps_up else max(1, self.window // 2)
-        )
-        if victim is None:
-            return None
-        self.ranks[victim[0]].ready.discard(victim[1])
+        lagging_waits, keeps_up_waits = [], False
+        for rank, state in self.ranks.items():
+            for name, pos, _, lagging in self._fronts(state):
+                if pos not in state.ready and pos not in state.in_flight:
+                    keeps_up_waits |= not lagging
+                    if lagging:
+                        lagging_waits.append((rank, name))
+        victim = None
+        if keeps_up_waits and self.full:
+            victim = self._retained_victim() or self._lagging_victim() or self._ahead_victim(1)
+        elif lagging_waits:
+            victim = self._stale_lagging_victim(lagging_waits)
+            if victim is None and self.full and any(not self._capped(self.ranks[r]) for r, _ in lagging_waits):
+                victim = self._retained_victim() or self._ahead_victim(max(1, self.window // 2))
+        if victim is not None:
+            self.ranks[victim[0]].ready.discard(victim[1])
+            self.ranks[victim[0]].made_at.pop(victim[1], None)
         return victim
 
+    def _stale_lagging_victim(self, waits: list[tuple[int, str]]) -> tuple[int, int] | None:
+        """For a lagging consumer whose rank's lagging slots are taken: a ready batch kept for a
+        lagging consumer that is not the one it reads next (a next batch comes first), or one
+        that is, made UNREAD_AFTER_REPORTS reports ago or more and not read since (its consumer
+        stopped reading, or is a name with no trainer); the least wanted first."""
+        best = None
+        for rank in {rank for rank, _ in waits}:
+            state = self.ranks[rank]
+            if not self._capped(state):
+                continue
+            for index in self._held_for_lagging(state):
+                owner = self._owner(state, index)
+                made = state.made_at.get(index, self._reports)
+                unread = self._reports - made >= UNREAD_AFTER_REPORTS and state.moved.get(owner, 0) < made
+                if index in state.ready and (index != state.positions[owner] or unread):
+                    candidate = (index != state.positions[owner], self._staleness(state, index), rank, index)
+                    best = candidate if best is None or candidate > best else best  # the least wanted
+        return None if best is None else best[2:]
+
     def _retained_victim(self) -> tuple[int, int] | None:
-        """The ready batch farthest behind every consumer of its rank, if any."""
+        """The oldest ready batch kept only as retained (behind the consumers that keep up, and
+        read by no lagging one), if any."""
         behind = [
             (index, rank)
             for rank, state in self.ranks.items()
-            if state.positions
+            if state.keeps
             for index in state.ready
-            if index < min(state.positions.values())
+            if state.keeps[0][0] <= index < state.keeps[0][0] + self.retain
+            and not any(start <= index < end for start, end in state.keeps[1:])
         ]
         return None if not behind else min(behind)[::-1]
 
@@ -271,6 +324,10 @@ class Scheduler:
         state.in_flight.discard(index)
         if self._in_window(rank, index):
             state.ready.add(index)
+            state.made_at[index] = self._reports
+            for name, pos in state.positions.items():
+                if pos == index:
+                    state.served[name] = self._reports
             return True
         return False
 
@@ -282,6 +339,8 @@ class Scheduler:
         state.positions.pop(consumer, None)
         state.lagging.discard(consumer)
         state.consumed_by_gone += state.consumed.pop(consumer, 0)
+        state.moved.pop(consumer, None)
+        state.served.pop(consumer, None)
         return self._drop_outside(state)
 
     def task_abandoned(self, rank: int, index: int) -> None:
@@ -293,6 +352,7 @@ class Scheduler:
         if self.held + self.reserved >= self.capacity:
             return False
         self.ranks[rank].ready.add(index)
+        self.ranks[rank].made_at[index] = self._reports
         return True
 
     def start_at_adopted(self) -> None:

@@ -1,5 +1,7 @@
 """Scheduling decisions, without processes: urgency, the bound, deletion, pausing, seeking."""
 
+import random
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -293,3 +295,84 @@ def test_lagging_consumers_past_their_slots_wait_instead_of_churning_the_leaders
         made += 1
     assert made <= 8, made  # the buffer filled once, then nothing more
     assert len(s._held_for_lagging(s.ranks[0])) <= s.lag_slots
+
+
+def serve_next(s: Scheduler, rank: int, consumer: str, tries: int = 10) -> None:
+    """Make batches as the master would until ``consumer``'s next one is ready; fail if it never is."""
+    index = s.ranks[rank].positions[consumer]
+    for _ in range(tries):
+        if index in s.ranks[rank].ready:
+            return
+        task = s.next_task() or (s.make_room() and s.next_task())
+        assert task is not None, f"{consumer}'s batch {index} is never made: {s.ranks[rank]}"
+        s.task_started(*task)
+        s.task_finished(*task)
+    raise AssertionError(f"{consumer}'s batch {index} not made within {tries} tasks: {s.ranks[rank]}")
+
+
+def test_a_lagging_consumer_that_reads_takes_the_slots_of_one_that_stopped():
+    """A second attack's case: P lagged and stopped with its two batches made; L, lagging too,
+    read one batch every 0.2 s and never got one (the lagging slots were P's for good)."""
+    s = Scheduler(ranks=1, capacity=6, retain=2)  # window 4: two lagging slots
+    s.move_position(0, 20, "a")
+    drain(s)
+    s.move_position(0, 3, "p")  # lags; reads no more
+    drain(s)
+    assert s.ranks[0].ready >= {3, 4}
+    s.move_position(0, 0, "l")
+    for step in range(10):
+        serve_next(s, 0, "l")
+        s.move_position(0, step + 1, "l")
+    assert 20 in s.ranks[0].ready  # the leader's next batch stayed
+
+
+def test_with_a_window_of_one_a_lagging_consumer_is_served_from_the_retained_slots():
+    s = Scheduler(ranks=1, capacity=3, retain=2)  # window 1
+    s.move_position(0, 18, "a")
+    drain(s)
+    s.move_position(0, 19, "a")
+    drain(s)
+    s.move_position(0, 20, "a")
+    drain(s)  # 18 and 19 retained, 20 ahead: full
+    s.move_position(0, 0, "l")
+    for step in range(5):
+        serve_next(s, 0, "l")
+        s.move_position(0, step + 1, "l")
+    assert 20 in s.ranks[0].ready
+
+
+@pytest.mark.parametrize(("consumers", "capacity", "retain"), [(5, 4, 2), (8, 8, 2), (3, 3, 2), (12, 10, 2)])
+def test_every_consumer_that_reads_is_served_however_many_lag(consumers, capacity, retain):
+    """Consumers at random places, reading whenever their batch is ready (now and then seeking),
+    repeating their position while they wait, as a loader does: none waits for good. Found by a
+    second attack: lagging consumers that read kept the lagging slots from the ones that waited."""
+    for seed in range(8):
+        rng = random.Random(seed)
+        s = Scheduler(ranks=1, capacity=capacity, retain=retain)
+        pos = {f"c{i}": rng.randrange(0, 60) for i in range(consumers)}
+        for name, index in pos.items():
+            s.move_position(0, index, name)
+        waiting_since: dict[str, int] = {}
+        in_flight: list[tuple[int, int]] = []
+        for turn in range(600):
+            for _ in range(2):  # two workers
+                task = s.next_task() or (s.make_room() and s.next_task())
+                if task:
+                    s.task_started(*task)
+                    in_flight.append(task)
+            if in_flight and rng.random() < 0.7:
+                s.task_finished(*in_flight.pop(0))
+            for name in pos:
+                if rng.random() < 0.3:
+                    continue  # busy with its step
+                if pos[name] in s.ranks[0].ready:
+                    pos[name] += 1 if rng.random() > 0.02 else rng.randrange(-30, 30)
+                    pos[name] = max(0, pos[name])
+                    waiting_since.pop(name, None)
+                    s.move_position(0, pos[name], name)
+                    continue
+                since = waiting_since.setdefault(name, turn)
+                assert turn - since < 300, f"seed {seed}: {name} waits at {pos[name]}: {s.ranks[0]}"
+                if (turn - since) % 10 == 5:
+                    s.move_position(0, pos[name], name)  # a waiting loader repeats its position
+            assert s.held <= s.capacity
