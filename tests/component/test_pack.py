@@ -284,7 +284,9 @@ def test_a_failed_pack_removes_the_folders_it_made_and_no_other(tmp_path):
 
 def test_ctrl_c_while_packing_leaves_nothing_behind(tmp_path):
     images = make_image_folder(tmp_path / "data", classes=1, per_class=4, size=(64, 96))
-    (tmp_path / "list.txt").write_text("".join(f"{p},0\n" for p in sorted(images.rglob("*.jpg")) * 1000))
+    # 40,000 lines: pack runs for many seconds after its second shard, even on a loaded machine
+    # (with 4,000, a test process descheduled for a few seconds sent Ctrl-C after pack ended)
+    (tmp_path / "list.txt").write_text("".join(f"{p},0\n" for p in sorted(images.rglob("*.jpg")) * 10000))
     out = tmp_path / "out"
     flags = ("--workers", "1", "--max-short-side", "16", "--shard-size", "64K")
     proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "pack", str(tmp_path / "list.txt"), str(out), *flags])

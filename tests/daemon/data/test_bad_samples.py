@@ -66,7 +66,14 @@ def test_bad_samples_are_replaced_counted_and_identical_across_runs(tmp_path, se
         paths = job.paths
         batches = read_epoch("job", batch_size=batch, with_meta=True, timeout=120)
         headers, pixels = [b.meta for b in batches], [b.arrays["image"] for b in batches]
-        status = control.request(paths.endpoint, {"op": "status"})
+        # A trainer may read the last batch before its worker's report reaches the master: the
+        # count of bad samples is awaited, not read once.
+        status = wait_until(
+            lambda at=paths.endpoint: (st := control.request(at, {"op": "status"}))
+            and st["totals"]["bad_samples"] >= len(bad)
+            and st,
+            what="every bad sample counted",
+        )
         job.stop()
         runs.append((headers, pixels, status))
         log_text = paths.log.read_text() if paths.log.exists() else ""

@@ -158,7 +158,7 @@ def _watch_in_a_pty(env: dict, marker: bytes, timeout_s: float = 15.0) -> tuple[
                 except OSError:  # EIO: the command ended and closed the pty
                     break
         proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=15)
+        code = proc.wait(timeout=60)  # a loaded machine: it has seen over 15 s
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -135,6 +135,7 @@ def test_ray_batches_equal_local_ones(cluster, job_root, jpeg_folder, tmp_path):
     assert buffer["peak_bytes"] <= buffer["bound_bytes"]
 
 
+@pytest.mark.long  # ~50 s on the Ray group's process: CI's quick tier keeps the Ray subset small
 def test_ray_tasks_in_flight_follow_the_trainer_with_auto(cluster, job_root, jpeg_folder, tmp_path, serve):
     """--ray-workers auto: a slow trainer leaves the cluster's slots idle and they are parked (the
     cluster's CPUs free), a trainer that waits brings them back; the batches are a local worker's."""
