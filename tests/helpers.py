@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,3 +138,20 @@ def session(sid: int) -> list[psutil.Process]:
         except (OSError, psutil.Error):
             pass
     return found
+
+
+def as_a_terminal_starts_it() -> None:
+    """``preexec_fn`` for a command a test stops with Ctrl-C: SIGINT at its default and not
+    blocked, as a shell starts a foreground job. A test process (an xdist worker, after the
+    tests before it) may have it ignored or blocked, and a child inherits both across exec."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def signal_state(pid: int) -> str:
+    """The blocked and ignored signal masks of ``pid`` (for a message when Ctrl-C did nothing)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return " ".join(line.strip() for line in f if line.startswith(("SigBlk", "SigIgn")))
+    except OSError:
+        return "gone"

@@ -23,6 +23,7 @@ from prefetchd.errors import ExitCode
 from prefetchd.sources import shards, tarformat
 from prefetchd.sources.index import scan_image_folder
 from tests.conftest import JOB_ROOT_PREFIX, SHM, cli, wait_until
+from tests.helpers import as_a_terminal_starts_it, signal_state
 
 wds = pytest.importorskip("webdataset")
 
@@ -289,11 +290,13 @@ def test_ctrl_c_while_packing_leaves_nothing_behind(tmp_path):
     (tmp_path / "list.txt").write_text("".join(f"{p},0\n" for p in sorted(images.rglob("*.jpg")) * 10000))
     out = tmp_path / "out"
     flags = ("--workers", "1", "--max-short-side", "16", "--shard-size", "64K")
-    proc = subprocess.Popen([sys.executable, "-m", "prefetchd", "pack", str(tmp_path / "list.txt"), str(out), *flags])
+    command = [sys.executable, "-m", "prefetchd", "pack", str(tmp_path / "list.txt"), str(out), *flags]
+    proc = subprocess.Popen(command, preexec_fn=as_a_terminal_starts_it)
     try:
         wait_until(lambda: (out / ".partial" / "shard-000001.tar").exists(), timeout_s=60, what="a second shard")
+        masks = signal_state(proc.pid)
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) != 0
+        assert proc.wait(timeout=30) != 0, f"pack ended as if no Ctrl-C came; its signals then: {masks}"
     finally:
         if proc.poll() is None:
             proc.kill()

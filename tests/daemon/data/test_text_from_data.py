@@ -30,7 +30,7 @@ from prefetchd_client import DaemonDied, PrefetchLoader
 from prefetchd_client.text import printable
 from tests.conftest import wait_until, write_config
 from tests.daemon.data.test_bad_samples import clear_stopped
-from tests.helpers import job_status
+from tests.helpers import as_a_terminal_starts_it, job_status, signal_state
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -146,6 +146,7 @@ def _watch_in_a_pty(env: dict, marker: bytes, timeout_s: float = 15.0) -> tuple[
         stdout=slave,
         stderr=slave,
         env={**os.environ, "TERM": "xterm-256color", **env},
+        preexec_fn=as_a_terminal_starts_it,
     )
     os.close(slave)
     seen = b""
@@ -157,8 +158,12 @@ def _watch_in_a_pty(env: dict, marker: bytes, timeout_s: float = 15.0) -> tuple[
                     seen += os.read(master, 1 << 16)
                 except OSError:  # EIO: the command ended and closed the pty
                     break
+        masks = signal_state(proc.pid)
         proc.send_signal(signal.SIGINT)
-        code = proc.wait(timeout=60)  # a loaded machine: it has seen over 15 s
+        try:
+            code = proc.wait(timeout=60)  # a loaded machine: it has seen over 15 s
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"--watch did not end on Ctrl-C; its signals then: {masks}") from None
     finally:
         if proc.poll() is None:
             proc.kill()
