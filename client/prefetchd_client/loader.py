@@ -453,7 +453,7 @@ class PrefetchLoader:
     def _fetch(self, epoch: int, step: int, reader: ReadAhead) -> dict:
         """Wait for batch (epoch, step) and map it, on the read-ahead thread: between looks,
         ``reader.waiting()`` reports the trainer's progress and raises Stopped once it left."""
-        path = self._paths.batch(epoch, step, self.rank)
+        path = self._paths.batch_file(epoch, step, self.rank)
         start = time.monotonic()
         next_check = start + _LIVENESS_CHECK_S
         delay, dead_since = _MIN_POLL_S, None

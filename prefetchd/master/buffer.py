@@ -57,7 +57,7 @@ class Buffer:
 
     def delete(self, rank: int, index: int, now: float) -> None:
         epoch, step = self.plan.unlinear(index)
-        if self.retired.retire(self.paths.batch(epoch, step, rank)):
+        if self.retired.retire(self.paths.batch_file(epoch, step, rank)):
             self.deleted += 1
             self._reserve_pinned(now)
 

@@ -30,14 +30,15 @@ class RetiredBatches:
         # A batch can be consumed twice (made again after a backward seek) while its first copy
         # is still mapped: names get a sequence number so no retired file ever replaces another.
         self._sequence = itertools.count(time.time_ns())
+        self._folder = os.fspath(folder)  # names joined as str: pathlib would intern each (layout.batch_file)
 
     @property
     def pinned_bytes(self) -> int:
         return sum(self.pinned.values())
 
-    def retire(self, path: Path) -> bool:
+    def retire(self, path: str | Path) -> bool:
         """Take ``path`` out of the buffer; free it now unless a client maps it. False if it was gone."""
-        target = self.folder / f"{path.name}.{next(self._sequence)}"
+        target = os.path.join(self._folder, f"{os.path.basename(path)}.{next(self._sequence)}")
         try:
             os.rename(path, target)
         except FileNotFoundError:
@@ -54,14 +55,15 @@ class RetiredBatches:
     def retry_pinned(self) -> int:
         """Like ``sweep`` but only over the files known to be pinned (cheap, for every tick)."""
         for name in list(self.pinned):
-            self._try_free(self.folder / name)
+            self._try_free(os.path.join(self._folder, name))
         return self.pinned_bytes
 
-    def _try_free(self, path: Path) -> bool:
+    def _try_free(self, path: str | Path) -> bool:
+        name = os.path.basename(path)
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
-            self.pinned.pop(path.name, None)
+            self.pinned.pop(name, None)
             return True
         except OSError as exc:
             if exc.errno not in (errno.EMFILE, errno.ENFILE):
@@ -69,21 +71,21 @@ class RetiredBatches:
             # Out of descriptors: count it as pinned (its blocks, read without a descriptor) and
             # try again with the pinned ones; left out of the ledger it would stay past the bound.
             try:
-                self.pinned[path.name] = os.lstat(path).st_blocks * 512
+                self.pinned[name] = os.lstat(path).st_blocks * 512
             except FileNotFoundError:
-                self.pinned.pop(path.name, None)
+                self.pinned.pop(name, None)
                 return True
             return False
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                self.pinned[path.name] = os.fstat(fd).st_blocks * 512
+                self.pinned[name] = os.fstat(fd).st_blocks * 512
                 return False
             # Unlinked while we hold the lock: a reader that opened the file before the rename
             # and locks after us sees st_nlink == 0 and treats the batch as gone.
             os.unlink(path)
-            self.pinned.pop(path.name, None)
+            self.pinned.pop(name, None)
             return True
         finally:
             os.close(fd)

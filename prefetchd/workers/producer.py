@@ -200,7 +200,7 @@ def publish(paths: JobPaths, tmp: Path, epoch: int, step: int, rank: int) -> boo
     """Publish the whole file ``tmp``: a hard link into ``batches/``, atomic like rename, but it
     fails if the name exists, so a batch is published once whoever made it. False if it was there."""
     try:
-        os.link(tmp, paths.batch(epoch, step, rank))
+        os.link(tmp, paths.batch_file(epoch, step, rank))
         return True
     except FileExistsError:
         return False
