@@ -24,7 +24,7 @@ from prefetchd.errors import DaemonStop
 from prefetchd.master.job import Job
 from prefetchd.master.policy import Refusals
 from prefetchd.master.progress_watch import BadProgressFile, ProgressWatcher
-from prefetchd.ops.stalls import BadWaits, StallLedger
+from prefetchd.ops.stalls import BadWaits, StallLedger, trainer_name
 from prefetchd_client.layout import DEFAULT_CONSUMER, MAX_CONSUMERS, MAX_EPOCH
 from prefetchd_client.locks import trainer_state
 from prefetchd_client.ranks import format_ranks
@@ -193,8 +193,7 @@ class PeerIntake:
             elif state == "gone" and key not in self._gone_since and (was == "alive" or consumer):
                 # (a named consumer reported in this daemon's life; an old lock of the default one,
                 # left by a trainer before a restart, says nothing about the trainer now)
-                of = f" of consumer {consumer!r}" if consumer else ""
-                log.info("the trainer of rank %d%s is gone (%s its window)", rank, of, config.on_trainer_exit)
+                log.info("the trainer of %s is gone (%s its window)", trainer_name(key), config.on_trainer_exit)
                 self._gone_since[key] = now
             elif state == "never" and consumer:  # a progress-file trainer holds no lock: gone when silent
                 self._gone_since[key] = self.last_report.get(key, now)
@@ -207,9 +206,8 @@ class PeerIntake:
             if at_once or now - since >= config.consumer_timeout:
                 del self._gone_since[key]
                 if not at_once:
-                    of = f" of consumer {consumer!r}" if consumer else ""
                     idle = now - since
-                    log.info("released the place of rank %d%s (its trainer gone or silent %.0f s)", rank, of, idle)
+                    log.info("released the place of %s (its trainer gone or silent %.0f s)", trainer_name(key), idle)
                 release(rank, consumer)
 
     def close(self) -> None:

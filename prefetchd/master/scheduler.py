@@ -40,6 +40,7 @@ LAGGING_AHEAD = 2  # batches kept for a lagging consumer: the one it reads and t
 # A batch made for a lagging consumer that has not reported since, while this many positions
 # came from all consumers (seconds, when they read), is the slot of one that stopped reading.
 UNREAD_AFTER_REPORTS = 64
+_LAGGING_RANGES = slice(1, None)  # RankState.keeps: the main range first, then one a lagging consumer
 
 
 @dataclass
@@ -68,6 +69,11 @@ class RankState:
     def position(self) -> int:
         """The leading consumer's position (the rank's one position when it has one consumer)."""
         return max(self.positions.values(), default=self.last_lead)
+
+    def kept(self, index: int, ranges: slice = slice(None)) -> bool:
+        """Whether one of the ranges ``keeps[ranges]`` holds batch ``index`` (``slice(1, None)``:
+        a lagging consumer's)."""
+        return any(start <= index < end for start, end in self.keeps[ranges])
 
     @property
     def consumed_total(self) -> int:
@@ -131,7 +137,7 @@ class Scheduler:
         """Its lagging consumers hold ``lag_slots`` batches: nothing more is made for them."""
         return bool(state.lagging) and len(self._held_for_lagging(state)) >= self.lag_slots
 
-    def _served_fronts(self, state: RankState) -> Iterable[tuple[int, int, bool]]:
+    def _served_fronts(self, state: RankState) -> Iterable[tuple[str, int, int, bool]]:
         """The fronts batches may be made for now: lagging consumers share ``lag_slots`` (the
         others keep the rest of the share), and wait while those are taken."""
         capped = self._capped(state)
@@ -143,15 +149,12 @@ class Scheduler:
         return [
             i
             for i in state.ready | state.in_flight
-            if not main_start <= i < main_end and any(start <= i < end for start, end in state.keeps[1:])
+            if not main_start <= i < main_end and state.kept(i, _LAGGING_RANGES)
         ]
 
     def _owner(self, state: RankState, index: int) -> str:
         """The lagging consumer a batch only lagging consumers keep is kept for (the nearest behind it)."""
         return max((state.positions[n], n) for n in state.lagging if state.positions[n] <= index)[1]
-
-    def _in_window(self, rank: int, index: int) -> bool:
-        return any(start <= index < end for start, end in self.ranks[rank].keeps)
 
     def move_position(self, rank: int, index: int, consumer: str = DEFAULT_CONSUMER) -> list[int]:
         """Record that ``consumer`` will read ``index`` next on ``rank``; returns ready batches to delete."""
@@ -172,7 +175,7 @@ class Scheduler:
 
     def _drop_outside(self, state: RankState) -> list[int]:
         self._settle(state)
-        doomed = {i for i in state.ready if not any(start <= i < end for start, end in state.keeps)}
+        doomed = {i for i in state.ready if not state.kept(i)}
         doomed.update(self._beyond_lag_slots(state))
         state.ready.difference_update(doomed)
         for index in doomed:
@@ -292,7 +295,7 @@ class Scheduler:
             if state.keeps
             for index in state.ready
             if state.keeps[0][0] <= index < state.keeps[0][0] + self.retain
-            and not any(start <= index < end for start, end in state.keeps[1:])
+            and not state.kept(index, _LAGGING_RANGES)
         ]
         return None if not behind else min(behind)[::-1]
 
@@ -322,7 +325,7 @@ class Scheduler:
         """The batch is published; True if it stays, False if it must be deleted (left its window)."""
         state = self.ranks[rank]
         state.in_flight.discard(index)
-        if self._in_window(rank, index):
+        if state.kept(index):
             state.ready.add(index)
             state.made_at[index] = self._reports
             for name, pos in state.positions.items():

@@ -46,7 +46,8 @@ class RankWaits:
 Key = tuple[int, str]  # (rank, consumer)
 
 
-def _trainer(key: Key) -> str:
+def trainer_name(key: Key) -> str:
+    """How messages name a trainer: its rank, and its consumer when it has a name."""
     rank, consumer = key
     return f"rank {rank} of consumer {consumer!r}" if consumer else f"rank {rank}"
 
@@ -60,7 +61,7 @@ class StallLedger:
         they are out of range or went backwards for the same loader (nothing changes then)."""
         if wait_s > MAX_WAIT_S or max(waited_steps, steps, loader) > MAX_COUNT:
             raise BadWaits(
-                f"{_trainer(key)}: wait totals out of range ({wait_s!r:.20} s, {waited_steps}/{steps} steps)"
+                f"{trainer_name(key)}: wait totals out of range ({wait_s!r:.20} s, {waited_steps}/{steps} steps)"
             )
         waits = self.ranks.get(key)
         if waits is None:
@@ -70,7 +71,8 @@ class StallLedger:
         new_loader = waits.loader != loader
         before = (0.0, 0, 0) if new_loader else waits.last  # a new loader counts from 0
         if any(now_ < then for now_, then in zip(totals, before)):
-            raise BadWaits(f"{_trainer(key)}: wait totals went backwards for the same loader ({before} -> {totals})")
+            who = trainer_name(key)
+            raise BadWaits(f"{who}: wait totals went backwards for the same loader ({before} -> {totals})")
         if new_loader:
             waits.unseen_s += totals[0]
         waits.seconds += totals[0] - before[0]
