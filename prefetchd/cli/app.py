@@ -166,7 +166,8 @@ def start(
     job_dir, pid = literal(msg["job_dir"]), literal(msg["pid"])  # the daemon's words
     out.print(f"job {literal(cfg.name)} serving\njob dir: {job_dir}\npid: {pid}", highlight=False)
     try:
-        out.print(literal(start_summary(read_manifest(paths))), highlight=False)
+        summary = start_summary(read_manifest(paths))  # its lines each made printable: a newline is no escape
+        out.print("\n".join(literal(line) for line in summary.splitlines()), highlight=False)
     except (OSError, ValueError, KeyError, TypeError):  # stopped meanwhile, or another version's: status says
         pass
 
