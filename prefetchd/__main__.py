@@ -1,21 +1,32 @@
 """`prefetchd` and `python -m prefetchd`. The CLI is imported here, not by the console script,
 so that Ctrl-C while it loads (a few hundred ms) ends it as Ctrl-C ends a command, with exit
 code 130 and no traceback. `start` takes stop signals first thing: from then on a stop is the
-start's to act on (stopsignals), never an exception that an import might swallow."""
+start's to act on (stopsignals), never an exception that an import might swallow. Then it
+launches its daemon process (cli.daemonlaunch, standard library only), before the CLI's own
+imports: the daemon's interpreter and imports run beside them, not after."""
 
 import sys
 
 
 def main() -> None:
+    early_daemon = None
     if sys.argv[1:2] == ["start"]:
         from prefetchd import stopsignals
 
         stopsignals.take()
+        if not {"--foreground", "--help"} & set(sys.argv[2:]):  # those run no daemon of their own
+            from prefetchd.cli.daemonlaunch import DaemonLaunch
+
+            early_daemon = DaemonLaunch()  # a stop signal cancels it (app.main, once it runs)
     try:
         from prefetchd.cli.app import main as run_command
-    except KeyboardInterrupt:
-        sys.exit(130)
-    run_command()
+    except BaseException:  # Ctrl-C (not `start`: it records signals), or a broken install
+        if early_daemon is not None:
+            early_daemon.cancel()
+        if isinstance(sys.exc_info()[1], KeyboardInterrupt):
+            sys.exit(130)
+        raise
+    run_command(early_daemon)
 
 
 if __name__ == "__main__":

@@ -42,10 +42,11 @@ LAYERS: dict[str, set[str]] = {  # folder -> the folders it may import (besides 
     "prefetchd.master": {"prefetchd.sources", "prefetchd.workers", "prefetchd.remote", "prefetchd.ops"},
     "prefetchd.cli": {"prefetchd.master", "prefetchd.workers", "prefetchd.sources"},  # the command
     # `prefetchd bench`: measured against DataLoader, run in a process of its own; nothing imports it
-    "prefetchd.bench": {"prefetchd.cli", "prefetchd.master", "prefetchd.workers", "prefetchd.sources"},
+    "prefetchd.bench": {"prefetchd.cli", "prefetchd.master", "prefetchd.workers", "prefetchd.sources", "prefetchd.ops"},
 }
 ALLOWED_EDGES = {
     ("prefetchd.__main__", "prefetchd.cli.app"): "the entry point runs the command",
+    ("prefetchd.__main__", "prefetchd.cli.daemonlaunch"): "`start` launches its daemon before the CLI's imports",
     ("prefetchd.config", "prefetchd.workers.transformspec"): "a config's [[transform]] is checked by the ops' keys",
     ("prefetchd.config", "prefetchd.workers.decoders"): "a config's decoder is checked installed",
     ("prefetchd.config", "prefetchd.sources.kinds"): "a config's [[source]] is checked against its kind's row",

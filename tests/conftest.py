@@ -18,7 +18,7 @@ import pytest
 
 from prefetchd.cli.datagen import make_image_folder
 from prefetchd.cli.launch import stop_job
-from prefetchd.master.daemon import ONE_THREAD_PER_PROCESS
+from prefetchd.workers import ONE_THREAD_PER_PROCESS
 from prefetchd_client.layout import JobPaths
 from prefetchd_client.locks import daemon_alive
 from prefetchd_client.manifest import read_manifest

@@ -10,39 +10,51 @@ from prefetchd.bench.common import OTHER, RECIPE_NAMES, RECIPES, SYSTEMS, Row, S
 
 
 def cold_start_rows(cold_start: dict, s: Settings) -> list[Row]:
-    """From nothing running to the images in hand; and `prefetchd start`'s own time."""
+    """From nothing running to the images in hand, against DALI where it ran (DataLoader where it
+    did not); and `prefetchd start`'s own time, with when each of its steps was done."""
     cold = coldstart.summary(cold_start)
     default, dl = cold[f"prefetchd_{s.decoder}"], cold["dataloader"]
+    dali = cold.get("dali")
     shown = ("dataloader", f"prefetchd_{s.decoder}")
     peers = {sy: f"{m['cold_ratio']:.2f}x" for sy, m in cold.items() if sy not in shown}
-    if isinstance(cold_start["runs"]["dali"], dict):
+    if dali is None:
         peers["dali"] = "not installed (--dali-path)"
-    steps = cold_start["start_breakdown_s"]
+        against, goal = "DataLoader", (1.0, 1.4)
+        ratios = (default["cold_ratio"], default["ratio"])
+    else:
+        against, goal = "DALI", (1.25, 1.5)
+        ratios = tuple(default[k] / dali[k] for k in ("cold_images_per_s", "images_per_s"))
+    steps = {k.removesuffix("_s"): v for k, v in default.items() if k.startswith("daemon ")}
+    imports = {"imports, each alone in a fresh interpreter": cold_start["start_breakdown_s"]}
     return [
         Row(
             "cold_start",
             f"cold start, {coldstart.describe(cold_start)}: end to end [from the first batch on] "
-            f"(img/s); other systems' end-to-end ratios: " + ", ".join(f"{sy} {r}" for sy, r in peers.items()),
+            f"(img/s), ratio to {against}; every system's end-to-end ratio to DataLoader: "
+            + ", ".join(f"{sy} {r}" for sy, r in peers.items()),
             f"{default['cold_images_per_s']:.0f} [{default['images_per_s']:.0f}]",
             f"{dl['cold_images_per_s']:.0f} [{dl['images_per_s']:.0f}]",
-            f"{default['cold_ratio']:.2f}x [{default['ratio']:.2f}x]",
-            ">= 1.0x [>= 1.4x]",
-            default["cold_ratio"] >= 1.0 and default["ratio"] >= 1.4,
+            f"{ratios[0]:.2f}x [{ratios[1]:.2f}x] {against}",
+            f">= {goal[0]}x [>= {goal[1]}x] {against}",
+            ratios[0] >= goal[0] and ratios[1] >= goal[1],
             cold,
         ),
         Row(
             "start",
-            "`prefetchd start` returning, and from then to the first batch in hand (s); its steps, each alone: "
+            "`prefetchd start` returning, and the first batch in hand, from the clock's start (s); "
+            "when each of the start's steps was done (median s): "
             + ", ".join(f"{k} {v:.2f}" for k, v in steps.items()),
-            f"{default['start_s']:.2f} s, then {default['start_to_first_batch_s']:.2f} s",
+            f"start {default['start_s']:.2f} s, first batch {default['first_batch_s']:.2f} s",
             f"first batch {dl['first_batch_s']:.2f} s",
             "",
-            "<= 1 s, then <= 0.3 s",
-            default["start_s"] <= 1.0 and default["start_to_first_batch_s"] <= 0.3,
+            "start <= 0.5 s, first batch <= 0.3 s",
+            default["start_s"] <= 0.5 and default["first_batch_s"] <= 0.3,
             {
                 "start_s": default["start_s"],
+                "first_batch_s": default["first_batch_s"],
                 "start_to_first_batch_s": default["start_to_first_batch_s"],
-                "steps": steps,
+                "steps_s": steps,
+                **imports,
             },
         ),
     ]

@@ -435,8 +435,8 @@ def bench(
     raise typer.Exit(code)
 
 
-# `prefetchd start` without --foreground: main() launches the daemon process before typer
-# imports its parsers and reads the flags (launch.DaemonLaunch), and `start` hands it the job.
+# `prefetchd start` without --foreground: prefetchd.__main__ launches the daemon process before this
+# module imports typer and the rest (cli.daemonlaunch), and `start` hands it the job.
 _early_daemon: list = []
 
 
@@ -444,15 +444,11 @@ def _take_early_daemon():
     return _early_daemon.pop() if _early_daemon else None
 
 
-def _starts_a_daemon(args: list[str]) -> bool:
-    return args[:1] == ["start"] and not {"--foreground", "--help"} & set(args)
-
-
-def main() -> None:
-    if _starts_a_daemon(sys.argv[1:]):
-        from prefetchd.cli.launch import DaemonLaunch
-
-        _early_daemon.append(DaemonLaunch())  # a stop signal cancels it (stopsignals, taken by __main__)
+def main(early_daemon=None) -> None:
+    """Run the command; ``early_daemon``, a DaemonLaunch that `start` hands its job (one it
+    does not use is cancelled here)."""
+    if early_daemon is not None:
+        _early_daemon.append(early_daemon)
     try:
         app()
         code = 0

@@ -1,10 +1,11 @@
 """The command's side of a detached daemon: launch it with a readiness handshake, stop it.
 
-``prefetchd start`` launches the daemon (prefetchd.master.daemon) in a new session and waits on a
-pipe for one JSON line: ``{"ok": true, "pid": P, "job_dir": D}`` once the job serves (manifest
-written, socket bound), or ``{"ok": false, "error": E}``, E the error as data (errors.to_json:
-``{"type", "message", "exit_code"}``). If the process dies without a word, the pipe closes and
-``start`` reports that instead of hanging. This module imports nothing of the daemon itself:
+``prefetchd start`` launches the daemon (prefetchd.master.daemon) in a new session
+(daemonlaunch.DaemonLaunch, first thing), hands it its job and waits on a pipe for one JSON
+line: ``{"ok": true, "pid": P, "job_dir": D}`` once the job serves (manifest written, socket
+bound), or ``{"ok": false, "error": E}``, E the error as data (errors.to_json: ``{"type",
+"message", "exit_code"}``). If the process dies without a word, the pipe closes and ``start``
+reports that instead of hanging. This module imports nothing of the daemon itself:
 the command pays only for what it runs.
 """
 
@@ -17,11 +18,11 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from typing import TYPE_CHECKING
 
 from prefetchd import control, stopsignals
+from prefetchd.cli.daemonlaunch import DaemonLaunch
 from prefetchd.errors import JobError, error_from_json
 from prefetchd.sources.progress import MARK as PROGRESS_MARK  # in the lines a long start echoes
 from prefetchd_client.errors import AuthError, UnsafeFolder
@@ -38,78 +39,8 @@ if TYPE_CHECKING:  # annotations only: `stop` and `status` need no config (numpy
 _PROGRESS_EVERY_S = 1.0  # how often a waiting start looks for progress lines in the daemon's log
 _START_TIMEOUT_S = 600.0  # indexing a million files on a network filesystem takes a while
 _STOP_TIMEOUT_S = 15.0
-_CANCEL_WAIT_S = 20.0  # to leave its imports, or undo a start (pool.halt, the job folder); then it is killed
 _EXIT_WAIT_S = 30.0  # a daemon that sent its failure only has to exit; then it is killed
 _MAX_MESSAGE_BYTES = 1 << 20  # the readiness line is ~100 bytes; a failure message a few KiB
-# `-c`, not `-m prefetchd.master.daemon`: multiprocessing's spawn re-imports the main module of a `-m`
-# run in every worker it starts, and the daemon's imports cost each worker ~350 ms at every start.
-_DAEMON_ENTRY = "import sys; from prefetchd.master.daemon import main; sys.exit(main())"
-
-
-class DaemonLaunch:
-    """A daemon process, launched before its config is known.
-
-    ``prefetchd start`` launches it first thing (cli.main), so that the daemon's interpreter,
-    its imports and its worker server boot while the command itself imports and parses its
-    flags and config: two processes' start-up side by side instead of one after the other.
-    start_detached then sends it what it serves on stdin; cancel() ends one the command did
-    not use (a bad flag, --help). Until it reads its stdin it has made nothing but its own
-    processes, which end with it."""
-
-    def __init__(self) -> None:
-        self.ready_fd, write_fd = os.pipe()
-        # Its stderr until it can send a message (main() lets it go then): a crash before that,
-        # an import error say, leaves its last words here rather than on /dev/null.
-        self.early_stderr = tempfile.TemporaryFile()
-        try:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-c", _DAEMON_ENTRY, "--ready-fd", str(write_fd)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.DEVNULL,
-                stderr=self.early_stderr,
-                pass_fds=(write_fd,),
-                start_new_session=True,
-            )
-        except BaseException:
-            self.close()
-            raise
-        finally:
-            os.close(write_fd)
-
-    def send(self, config: Config, paths: JobPaths, keep: bool) -> None:
-        order = {"config": config.to_json(), "job_dir": str(paths.dir), "keep": keep}
-        try:
-            self.proc.stdin.write(json.dumps(order).encode())
-            self.proc.stdin.close()
-        except BrokenPipeError:  # it died at once; the closed pipe, read next, says so
-            try:
-                self.proc.stdin.close()
-            except OSError:
-                pass
-
-    def cancel(self) -> None:
-        """End it unused (its worker server and resource tracker follow it) and close our ends.
-        SIGTERM first: the daemon then exits through its exit hooks, which remove the worker
-        server's socket folder from $TMPDIR (a SIGKILL would leave it there)."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=_CANCEL_WAIT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.proc.wait()
-        self.close()
-
-    def close(self) -> None:
-        if self.ready_fd >= 0:
-            os.close(self.ready_fd)
-            self.ready_fd = -1
-        self.early_stderr.close()
-        if getattr(self, "proc", None) is not None and self.proc.stdin and not self.proc.stdin.closed:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()
-
-
 def start_detached(
     config: Config,
     paths: JobPaths,

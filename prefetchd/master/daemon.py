@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 from prefetchd import stopsignals
 from prefetchd.errors import DaemonStop, ExitCode, JobError, UserError, describe, start_failure, to_json
 from prefetchd.ops import sdnotify
-from prefetchd.workers import workerserver
+from prefetchd.ops.startclock import StartClock
+from prefetchd.workers import ONE_THREAD_PER_PROCESS, workerserver
 from prefetchd_client.layout import JobPaths
 
 if TYPE_CHECKING:
@@ -29,12 +30,6 @@ if TYPE_CHECKING:
 # parsed its flags and read its config (well under a second); a command stopped (Ctrl-Z) or hung
 # for longer gets the daemon's refusal when it goes on.
 ORDER_TIMEOUT_S = 120.0
-# The daemon's processes run one thread each, as DataLoader runs its workers (torch's threads set
-# to 1): one worker per core already. Read by the BLAS and OpenMP runtimes when they load, so set
-# before numpy is imported. Without it, the BLAS under numpy starts a thread per core in every
-# process, each spinning ~0.1 s of CPU at import: a worker server, a daemon, a user's pipeline
-# module that uses torch would each pay it, and the trainer's cores with them.
-ONE_THREAD_PER_PROCESS = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
 def serve(
@@ -45,6 +40,7 @@ def serve(
     notify: Callable[[dict], bool | None],
     detach_output: bool,
     on_stop: Callable[[DaemonStop], None] | None = None,
+    clock: StartClock | None = None,
 ) -> int:
     """Start the job's master and run it until it stops; returns its exit code.
 
@@ -53,7 +49,8 @@ def serve(
     DaemonStop of a daemon that served and stopped with a non-zero code (the foreground
     command says it). A service manager in the environment ($NOTIFY_SOCKET: `start
     --foreground` under systemd) hears READY=1 once the manifest is written and the socket
-    bound, the master loop's watchdog beats, and STOPPING=1 (sdnotify.py).
+    bound, the master loop's watchdog beats, and STOPPING=1 (sdnotify.py). ``clock``: the
+    steps of the start so far (a detached daemon's, from its process's beginning).
     """
     stopsignals.take()  # first: a stop at any moment of the start undoes it, then the master's loop acts on it
     manager = _begin()  # main() did already (and a detached daemon has no manager); `start --foreground` comes here
@@ -68,7 +65,7 @@ def serve(
         return notify({"ok": True, "pid": os.getpid(), "job_dir": str(paths.dir)}) is not False
 
     try:
-        master = start_master(config, paths, keep=keep, announce=announce)
+        master = start_master(config, paths, keep=keep, announce=announce, clock=clock or StartClock())
     except Exception as exc:  # a bug or the unforeseen too: still one clear message, never silence
         return _refuse_start(notify, paths, start_failure(exc, paths.log))
     manager.ready(f"serving job {paths.name} at {paths.dir}")
@@ -81,14 +78,16 @@ def serve(
     return code
 
 
-def _begin() -> sdnotify.Notifier:
+def _begin(*, fork_server: bool = False) -> sdnotify.Notifier:
     """The daemon process's first steps, done once: the umask, the service manager's variables
     taken out of the environment, then the worker server, which boots (imports) beside the
-    daemon's own start-up and whose workers inherit the umask but never $NOTIFY_SOCKET."""
+    daemon's own start-up and whose workers inherit the umask but never $NOTIFY_SOCKET.
+    ``fork_server``: the server is a fork of this process (workerserver.start), for the
+    detached daemon, which comes here as bare as a fresh interpreter."""
     os.umask(0o077)  # whatever the daemon or a library creates (the socket, logs) is the user's alone
-    os.environ.update(ONE_THREAD_PER_PROCESS)  # before numpy loads here, and inherited by the worker server
+    os.environ.update(ONE_THREAD_PER_PROCESS)  # `start --foreground`: before numpy loads here, and in the worker server
     manager = sdnotify.Notifier.from_environment()  # silent on a second call: the variables are gone
-    workerserver.start()
+    workerserver.start(fork=fork_server)
     return manager
 
 
@@ -121,7 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     _let_go_of_early_stderr()
     # After the early stderr is let go: the worker server would hold it open for good. A detached
     # daemon notifies no service manager: $NOTIFY_SOCKET, if any, is only taken from its workers.
-    _begin()
+    clock = StartClock()
+    clock.mark("interpreter")
+    _begin(fork_server=True)
+    clock.mark("worker server forked")
 
     def notify(msg: dict) -> bool:
         """Whether the message reached `prefetchd start` (False: it is gone, nobody waits)."""
@@ -141,8 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     from prefetchd.config import Config
     from prefetchd.master import startup  # noqa: F401
 
+    clock.mark("imports")
+
     try:
         order = json.loads(_read_order())  # {"config", "job_dir", "keep"}; EOF: the command gave up
+        clock.mark("job received")
         config = Config.from_json(order["config"])
         job_dir, keep = order["job_dir"], order["keep"]
         if not isinstance(job_dir, str) or type(keep) is not bool:
@@ -164,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         return unreadable.exit_code
     finally:
         sys.stdin.close()
-    return serve(config, JobPaths(Path(job_dir)), keep=keep, notify=notify, detach_output=True)
+    return serve(config, JobPaths(Path(job_dir)), keep=keep, notify=notify, detach_output=True, clock=clock)
 
 
 def _read_order(timeout_s: float | None = None) -> bytes:

@@ -21,6 +21,7 @@ from prefetchd.master.jobdir import JobDir
 from prefetchd.master.loop import Master
 from prefetchd.master.pool import WorkerPool
 from prefetchd.master.progress_watch import ProgressWatcher
+from prefetchd.ops.startclock import StartClock
 from prefetchd.sizes import format_size
 from prefetchd.workers.producer import builtin_fields
 from prefetchd_client.layout import JobPaths
@@ -29,7 +30,12 @@ log = logging.getLogger("prefetchd")
 
 
 def start_master(
-    config: Config, paths: JobPaths, *, keep: bool = False, announce: Callable[[], bool] | None = None
+    config: Config,
+    paths: JobPaths,
+    *,
+    keep: bool = False,
+    announce: Callable[[], bool] | None = None,
+    clock: StartClock | None = None,
 ) -> Master:
     """Lock the job, index the data, boot workers, bind the socket, write the manifest; the
     Master, every part built.
@@ -37,7 +43,9 @@ def start_master(
     A start that fails removes only what it made (JobDir.remove_what_this_start_made): a
     killed daemon's warm buffer survives a typo in --data, and its log, kept, says why.
     ``announce()``, the last step, tells `prefetchd start` the job serves; False (the command
-    is gone: killed, interrupted) fails the start too: the user saw no job start, so none serves."""
+    is gone: killed, interrupted) fails the start too: the user saw no job start, so none serves.
+    ``clock`` hears each step; the log gets them once the job serves."""
+    clock = clock or StartClock()
     started_at = time.time()  # status's uptime and the manifest's started_at count the start-up too
     stopsignals.check_starting()  # here and between the steps below: a stop that came undoes the start
     jobdir = JobDir(paths)
@@ -58,6 +66,7 @@ def start_master(
             metrics = bind_metrics(config.metrics)
         stopsignals.check_starting()
         job = build_job(config, paths)
+        clock.mark("indexed")
         stopsignals.check_starting()
         # The built-in pipeline's fields are known now: refuse a bad buffer before booting anything.
         known = None
@@ -66,6 +75,7 @@ def start_master(
         pool = WorkerPool(job)
         pool.spawn_all()
         fields = pool.await_first()  # checks for a stop while it waits
+        clock.mark("first worker booted")
         layout, capacity = known or fit_layout(job, fields)
         server = control.bind_server(context, paths, config)  # ipc, or TCP by --endpoint
         buffer = Buffer(job, layout, capacity)
@@ -92,6 +102,8 @@ def start_master(
             window,
             format_size(config.buffer_bytes),
         )
+        clock.mark("serving")
+        log.info(clock.log_line())
         if announce is not None and not announce():
             raise JobError("`prefetchd start` ended (killed, interrupted) before the job served: the start is undone")
         return master

@@ -22,7 +22,8 @@ from prefetchd.workers.producer import BatchProducer, ProducerSpec, SampleError,
 _PARENT_CHECK_S = 1.0
 
 
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15  # <linux/prctl.h>
+WORKER_NAME = b"prefetchd-work"  # a worker's name in `ps -o comm` (at most 15 bytes)
 HEARTBEAT_S = 1.0  # also the granularity at which the master hears progress
 _send_lock = threading.Lock()  # the heartbeat thread and the main loop share the pipe
 
@@ -64,6 +65,7 @@ def _die_with_the_master() -> None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        libc.prctl(_PR_SET_NAME, WORKER_NAME, 0, 0, 0)  # `ps -o comm`, top: not the fork server's name
     except (OSError, AttributeError):
         pass
 

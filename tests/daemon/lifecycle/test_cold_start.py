@@ -19,10 +19,10 @@ import psutil
 import pytest
 from PIL import Image
 
-from prefetchd.cli import launch
+from prefetchd.cli import daemonlaunch, launch
 from prefetchd.cli.datagen import make_image_folder
 from prefetchd.config import load_config
-from prefetchd.workers import roidecode, tjlib
+from prefetchd.workers import roidecode, tjlib, workerserver
 from prefetchd.workers.transforms import ImagePipeline
 from prefetchd_client.layout import JobPaths
 from prefetchd_client.locks import daemon_alive
@@ -60,7 +60,7 @@ def fork_server_of(daemon_pid: int) -> psutil.Process:
             raise AssertionError(f"the daemon (pid {daemon_pid}) is gone; its log ends:\n{said}") from None
         for child in children:
             try:
-                if child.status() != psutil.STATUS_ZOMBIE and "forkserver" in " ".join(child.cmdline()):
+                if child.status() != psutil.STATUS_ZOMBIE and child.name() == workerserver.SERVER_NAME.decode():
                     return child
             except psutil.Error:  # the one just killed
                 pass
@@ -75,9 +75,8 @@ def fork_server_of(daemon_pid: int) -> psutil.Process:
 def test_a_daemon_whose_command_never_sends_the_job_gives_up_and_says_why(monkeypatch):
     # As a `prefetchd start` stopped (Ctrl-Z, SIGSTOP) before it sent the job: the daemon, its
     # fork server and resource tracker must not wait for it for ever.
-    monkeypatch.setattr(
-        launch, "_DAEMON_ENTRY", "import sys, prefetchd.master.daemon as d; d.ORDER_TIMEOUT_S = 1.5; sys.exit(d.main())"
-    )
+    entry = "import sys, prefetchd.master.daemon as d; d.ORDER_TIMEOUT_S = 1.5; sys.exit(d.main())"
+    monkeypatch.setattr(daemonlaunch, "_DAEMON_ENTRY", entry)
     daemon = launch.DaemonLaunch()
     try:
         line = launch._read_line(daemon.ready_fd, 30.0)

@@ -14,8 +14,8 @@ import numpy as np
 import psutil
 import pytest
 
-from prefetchd.master.daemon import ONE_THREAD_PER_PROCESS
 from prefetchd.plan import Plan
+from prefetchd.workers import ONE_THREAD_PER_PROCESS
 from prefetchd_client import DaemonDied, JobNotRunning, PlanMismatch, PrefetchLoader
 from prefetchd_client.layout import JobPaths, parse_batch_name, write_progress
 from prefetchd_client.locks import daemon_alive

@@ -1,6 +1,7 @@
-"""Soak (long tier): two ranks read small batches as fast as they can for ten minutes (or
-$PREFETCHD_SOAK_S seconds); every process's memory and descriptors stay flat, the bound
-holds, and every batch arrives, in order, verified."""
+"""Soak (long tier): two ranks read small batches as fast as they can for twenty minutes (or
+$PREFETCHD_SOAK_S seconds) under a 4 MB bound; every process's memory grows by at most a byte
+per batch it handled (a week at 10 steps a second: under 6 MB), descriptors stay flat, the
+bound holds, and every batch arrives, in order, verified."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from prefetchd_client.manifest import read_manifest
 from tests.conftest import start_job, write_config
 from tests.helpers import workers_of
 
-SOAK_S = float(os.environ.get("PREFETCHD_SOAK_S", 600))
+SOAK_S = float(os.environ.get("PREFETCHD_SOAK_S", 1200))
 pytestmark = [pytest.mark.long, pytest.mark.timeout(SOAK_S + 300)]
 
 _TRAINER = textwrap.dedent("""
@@ -44,8 +45,8 @@ def slope_per_hour(times: list[float], values: list[float]) -> float:
     return float(np.polyfit(np.asarray(times), np.asarray(values, dtype=float), 1)[0] * 3600)
 
 
-def test_two_fast_ranks_for_ten_minutes_keep_every_process_flat(tmp_path, jpeg_folder, job_root):
-    paths = start_job(write_config(tmp_path, jpeg_folder, world_size=2, batch_size=2, size=16, buffer="2M"))
+def test_two_fast_ranks_for_twenty_minutes_keep_every_process_flat(tmp_path, jpeg_folder, job_root):
+    paths = start_job(write_config(tmp_path, jpeg_folder, world_size=2, batch_size=2, size=16, buffer="4M"))
     master = psutil.Process(read_manifest(paths)["pid"])
     until = time.time() + SOAK_S
     trainers = [
@@ -111,10 +112,10 @@ def test_two_fast_ranks_for_ten_minutes_keep_every_process_flat(tmp_path, jpeg_f
         # its count moves by a few between samples: the trend is what must be flat.
         first, last = (float(np.median([samples[k][i] for i in part])) for part in (warm[:quarter], warm[-quarter:]))
         assert last - first <= 2, (k, first, last)
-    # The leak this guards against: ~110 bytes per batch produced or consumed. Per process and
-    # per batch it handled, growth must stay a small fraction of that.
+    # The leaks this guards against: ~110 bytes per batch produced or consumed (a list of names),
+    # then ~34 (pathlib interning each batch's name in the master). Per process and per batch it
+    # handled: at most one byte.
     per_hour = batches / SOAK_S * 3600
     bytes_per_batch = {k: slopes[k] / (per_hour if k == "master_rss" else per_hour / 2) for k in slopes if "rss" in k}
     print(f"  RSS growth per batch handled (bytes): { {k: round(v, 2) for k, v in bytes_per_batch.items()} }")
-    assert bytes_per_batch["master_rss"] < 10, bytes_per_batch
-    assert bytes_per_batch["worker_rss"] < 10 and bytes_per_batch["client_rss"] < 20, bytes_per_batch
+    assert max(bytes_per_batch.values()) <= 1, bytes_per_batch
