@@ -11,6 +11,8 @@ import json
 import os
 import signal
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -67,6 +69,24 @@ def fork_server_of(daemon_pid: int) -> psutil.Process:
         return None
 
     return wait_until(live_server, what="the daemon's fork server")
+
+
+# -- the command's own descriptors ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("closed", ["<&- >&-", ">&-", "<&- >&- 2>&-"])
+def test_a_start_with_its_stdio_closed_serves_and_says_so(tmp_path, jpeg_folder, job_root, closed):
+    # Attack of the early launch: with stdin and stdout closed, the ready pipe the command opened
+    # took descriptors 0 and 1, the daemon's stdout overwrote it, and `start` waited 30 s for a
+    # line that went to the job's log, killed a serving daemon and left its folder (exit 1);
+    # with stdout alone closed, it served but the command's last flush failed (a traceback, exit 1).
+    config = write_config(tmp_path, jpeg_folder)
+    command = f"{sys.executable} -m prefetchd start {config} {closed}; echo $? > {tmp_path / 'rc'}"
+    subprocess.run(["bash", "-c", command], timeout=60, capture_output=True)
+    assert (tmp_path / "rc").read_text().strip() == "0"
+    paths = JobPaths.of("job")
+    assert daemon_alive(paths) and job_status(paths)["workers"]["restarts"] == 0
+    assert cli("stop", "job").returncode == 0 and list(job_root.iterdir()) == []
 
 
 # -- the command goes away: the launched daemon must not stay -----------------------------
