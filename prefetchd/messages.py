@@ -27,6 +27,7 @@ import typing
 from dataclasses import dataclass
 
 _MAX_STORES = 64  # object stores one worker reads: buckets and hosts, not objects
+HEARTBEAT_S = 1.0  # how often a worker beats; also the granularity at which the master hears progress
 MAX_MESSAGE_BYTES = 16 << 20  # a Done lists each replaced sample's path and error; a batch has a few thousand
 
 

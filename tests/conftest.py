@@ -13,6 +13,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import hypothesis
 import psutil
 import pytest
 
@@ -30,6 +31,11 @@ JOB_ROOT_PREFIX = "prefetchd-test-"  # each test's private job root under SHM
 # The trainers and commands the tests start run one BLAS thread each, as the daemon's processes
 # do: numpy's thread per core spins ~0.1 s of CPU at each import, hundreds of times in a run.
 os.environ.update(ONE_THREAD_PER_PROCESS)
+# Property tests check what a function returns, not how fast: hypothesis's 200 ms deadline per
+# example failed them on this 2-core machine when a soak or the benchmark ran beside the suite.
+# A hang is still caught (pytest-timeout).
+hypothesis.settings.register_profile("prefetchd", deadline=None)
+hypothesis.settings.load_profile("prefetchd")
 
 
 def pytest_collection_modifyitems(items):

@@ -35,7 +35,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import psutil
 import torch
 from torch.utils.data import DataLoader
 
@@ -43,7 +42,7 @@ from prefetchd.bench.common import installed_decoders
 from prefetchd.bench.dataloader import JpegFolder
 from prefetchd.cli.datagen import make_image_folder
 from prefetchd.cli.launch import stop_job
-from prefetchd.ops.startclock import steps_in_log
+from prefetchd.ops.startclock import process_age_s, steps_in_log
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.layout import JobPaths
 from prefetchd_client.manifest import read_manifest
@@ -96,7 +95,7 @@ def prefetchd_cold(folder: Path, root: Path, decoder: str, name: str, epochs: in
         '[[transform]]\nop = "random_resized_crop"\nsize = 224\n[[transform]]\nop = "hflip"\n'
     )
     command = [sys.executable, "-m", "prefetchd", "start", str(config), "--name", name, "--root", str(root)]
-    t0, t0_wall = time.perf_counter(), time.time()
+    t0 = time.perf_counter()
     started = subprocess.run(command, capture_output=True, text=True, timeout=120)
     start_s = time.perf_counter() - t0
     if started.returncode:
@@ -106,7 +105,7 @@ def prefetchd_cold(folder: Path, root: Path, decoder: str, name: str, epochs: in
     try:
         result = _walk(lambda: iter(loader), t0, epochs)
         steps = steps_in_log(paths.log.read_text(errors="replace")) or {}
-        daemon_began = psutil.Process(read_manifest(paths)["pid"]).create_time() - t0_wall
+        daemon_began = time.perf_counter() - t0 - process_age_s(read_manifest(paths)["pid"])
     finally:
         loader.close()
         stop_job(paths, timeout_s=10)

@@ -27,7 +27,8 @@ from prefetchd.plan import Plan
 from prefetchd.sources import shards
 from prefetchd.sources.index import scan_image_folder
 from prefetchd.sources.kinds import own_options
-from prefetchd.workers.producer import BatchProducer, ProducerSpec
+from prefetchd.workers.producer import BatchProducer
+from prefetchd.workers.spec import ProducerSpec
 
 TRANSFORMS = [{"op": "random_resized_crop", "size": 224}, {"op": "hflip"}]
 BATCH = 32

@@ -14,7 +14,8 @@ import json
 import numpy as np
 
 from prefetchd.errors import JobError
-from prefetchd.workers.producer import PRODUCER_SPEC, BatchProducer, ProducerSpec, SpecMismatch
+from prefetchd.workers.producer import BatchProducer
+from prefetchd.workers.spec import PRODUCER_SPEC, ProducerSpec, SpecMismatch
 from prefetchd_client.batchfile import DIGEST_KEY, BatchFormatError, map_batch
 from prefetchd_client.folders import read_regular_file
 from prefetchd_client.layout import JobPaths

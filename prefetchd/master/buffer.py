@@ -15,7 +15,7 @@ from prefetchd.master.job import Job
 from prefetchd.master.retire import RetiredBatches
 from prefetchd.master.scheduler import Scheduler
 from prefetchd.sizes import format_size
-from prefetchd.workers.producer import why_not_this_batch
+from prefetchd.workers.spec import why_not_this_batch
 from prefetchd_client.batchfile import BatchFormatError, BatchLayout, map_batch
 from prefetchd_client.layout import parse_batch_name
 
@@ -127,7 +127,7 @@ class Buffer:
             )
 
     def _valid_leftover(self, entry: os.DirEntry) -> bool:
-        """A leftover is this plan's batch, of a rank served here (producer.why_not_this_batch)."""
+        """A leftover is this plan's batch, of a rank served here (spec.why_not_this_batch)."""
         name = parse_batch_name(entry.name)
         if name is None or not entry.is_file(follow_symlinks=False):
             return False

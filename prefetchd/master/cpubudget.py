@@ -17,8 +17,6 @@ import math
 import time
 from pathlib import Path
 
-import psutil
-
 from prefetchd.errors import JobError
 from prefetchd.master import leasefile
 from prefetchd.master.cpushares import Claim, divide
@@ -39,6 +37,8 @@ USED_TAU_S = 2.0  # the CPU time that breaks ties is the last few seconds': a ne
 class NodeBudget:
     def __init__(self, root: Path, cpus: int, weight: float, job: str):
         self.root, self.cpus, self.weight, self.job = root, cpus, weight, job
+        import psutil  # only with --node-cpus: not on every daemon's start
+
         me = psutil.Process()
         self.pid, self.started = me.pid, round(me.create_time(), 3)
         self.key = leasefile.key_of(self.pid, self.started)

@@ -22,7 +22,7 @@ from prefetchd.sizes import format_size
 from prefetchd.sources.index import SampleIndex
 from prefetchd.sources.indexfiles import IndexWriter
 from prefetchd.sources.kinds import KINDS, own_options
-from prefetchd.workers.producer import PRODUCER_SPEC, ProducerSpec, plan_layout
+from prefetchd.workers.spec import PRODUCER_SPEC, ProducerSpec, plan_layout
 from prefetchd_client.batchfile import VERSION as BATCH_FORMAT_VERSION
 from prefetchd_client.batchfile import BatchLayout, FieldSpec
 from prefetchd_client.layout import JobPaths

@@ -16,8 +16,6 @@ import os
 import stat
 from pathlib import Path
 
-import psutil
-
 from prefetchd.master.cpushares import MAX_RUNWAY_S
 from prefetchd.master.jobdir import ensure_private_dir
 from prefetchd.settings import CPU_WEIGHTS, MAX_NODE_CPUS
@@ -131,6 +129,8 @@ def _is_entry(entry) -> bool:
 def alive(entry: dict, root: Path) -> bool:
     """Whether the lease's daemon still runs: that pid, started then (not a reused pid), and the
     daemon its job's manifest under this root names (not any process that happens to live)."""
+    import psutil  # only with --node-cpus: not on every daemon's start
+
     try:
         process = psutil.Process(entry["pid"])
         if abs(process.create_time() - entry["started"]) >= 0.01 or process.status() == psutil.STATUS_ZOMBIE:

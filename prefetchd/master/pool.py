@@ -27,7 +27,6 @@ from prefetchd.errors import DaemonStop, ExitCode, JobError
 from prefetchd.master import rayfolder
 from prefetchd.master.job import Job
 from prefetchd.workers import workerserver
-from prefetchd.workers.worker import HEARTBEAT_S, worker_main
 from prefetchd_client.batchfile import FieldSpec
 
 log = logging.getLogger("prefetchd")
@@ -146,7 +145,7 @@ class WorkerPool:
             server = workerserver.server_pid()
             parent_conn, child_conn = workerserver.CONTEXT.Pipe()
             process = workerserver.CONTEXT.Process(
-                target=worker_main,
+                target=workerserver.run_worker,
                 args=(self._spec_json, child_conn, self.job.config.worker_nice),
                 daemon=True,
                 name="prefetchd-worker",
@@ -291,7 +290,7 @@ class WorkerPool:
         if now - slot.last_heard > silence_allowed:
             return f"silent for {now - slot.last_heard:.0f} s"
         # Progress is heard once a heartbeat: a sample just under the timeout is not a hang.
-        if slot.task is None or now - slot.progressed_at <= timeout + HEARTBEAT_S:
+        if slot.task is None or now - slot.progressed_at <= timeout + messages.HEARTBEAT_S:
             return None
         stalled = now - slot.progressed_at
         name = self.job.batch_name(*slot.task)

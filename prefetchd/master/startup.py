@@ -23,7 +23,7 @@ from prefetchd.master.pool import WorkerPool
 from prefetchd.master.progress_watch import ProgressWatcher
 from prefetchd.ops.startclock import StartClock
 from prefetchd.sizes import format_size
-from prefetchd.workers.producer import builtin_fields
+from prefetchd.workers.spec import builtin_fields
 from prefetchd_client.layout import JobPaths
 
 log = logging.getLogger("prefetchd")

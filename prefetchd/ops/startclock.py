@@ -14,9 +14,10 @@ import time
 LOG_PREFIX = "start-up steps (s since the daemon's process began): "
 
 
-def process_age_s() -> float:
-    """Seconds since this process began, to the kernel's clock tick (10 ms, usually)."""
-    with open("/proc/self/stat", "rb") as f:
+def process_age_s(pid: int | str = "self") -> float:
+    """Seconds since the process began (this one by default), to the kernel's clock tick (10
+    ms, usually): its start time on the boot-time clock, which nothing rounds to the second."""
+    with open(f"/proc/{pid}/stat", "rb") as f:
         # After the command name (which may hold spaces or parentheses): starttime is field 22.
         start_ticks = int(f.read().rpartition(b")")[2].split()[19])
     return time.clock_gettime(time.CLOCK_BOOTTIME) - start_ticks / os.sysconf("SC_CLK_TCK")

@@ -31,14 +31,8 @@ import numpy as np
 
 from prefetchd.messages import BootFailed, Done, ExecutorLost, Failed, Produce, Ready, decode, encode
 from prefetchd.remote import rayaddress, raycluster, rayinstance, rayresults, raytask
-from prefetchd.workers.producer import (
-    BatchProducer,
-    ProducerSpec,
-    SampleProgress,
-    publish,
-    tmp_path,
-    why_not_this_batch,
-)
+from prefetchd.workers.producer import BatchProducer, SampleProgress, publish, tmp_path
+from prefetchd.workers.spec import ProducerSpec, why_not_this_batch
 from prefetchd.workers.worker import _die_with_the_master, _send, _send_heartbeats
 from prefetchd_client.batchfile import BatchFormatError, read_batch, write_batch_file
 

@@ -31,7 +31,8 @@ import numpy as np
 from prefetchd import __version__
 from prefetchd.sources.index import SampleIndex
 from prefetchd.workers import roidecode, tjlib
-from prefetchd.workers.producer import BatchProducer, ProducerSpec, SampleError
+from prefetchd.workers.producer import BatchProducer, SampleError
+from prefetchd.workers.spec import ProducerSpec
 
 _HUNG_EXIT = 75  # what the watchdog exits with: Ray then fails the task and the master reissues it
 _producers: dict[str, BatchProducer] = {}  # per Ray worker process: the job's producer, by plan digest

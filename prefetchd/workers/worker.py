@@ -15,16 +15,27 @@ import threading
 import time
 import traceback
 
-from prefetchd.messages import BootFailed, Done, Failed, Heartbeat, Message, Produce, Ready, decode, encode
+from prefetchd.messages import (
+    HEARTBEAT_S,
+    BootFailed,
+    Done,
+    Failed,
+    Heartbeat,
+    Message,
+    Produce,
+    Ready,
+    decode,
+    encode,
+)
 from prefetchd.sources import objects
-from prefetchd.workers.producer import BatchProducer, ProducerSpec, SampleError, SampleProgress
+from prefetchd.workers.producer import BatchProducer, SampleError, SampleProgress
+from prefetchd.workers.spec import ProducerSpec
 
 _PARENT_CHECK_S = 1.0
 
 
 _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15  # <linux/prctl.h>
 WORKER_NAME = b"prefetchd-work"  # a worker's name in `ps -o comm` (at most 15 bytes)
-HEARTBEAT_S = 1.0  # also the granularity at which the master hears progress
 _send_lock = threading.Lock()  # the heartbeat thread and the main loop share the pipe
 
 

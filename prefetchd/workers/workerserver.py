@@ -104,6 +104,15 @@ def _serve_forks(listener_fd: int, alive_r: int) -> None:
         os._exit(code)  # never back into the daemon's code, nor its exit hooks
 
 
+def run_worker(spec_json: str, conn, nice: int = 0) -> None:
+    """A worker process's target (master/pool.py): the master names it without importing the
+    worker side (Pillow, OpenCV, the producer, ~60 ms of a cold start's CPU), which this
+    server has preloaded for the processes it forks."""
+    from prefetchd.workers.worker import worker_main
+
+    worker_main(spec_json, conn, nice)
+
+
 # multiprocessing binds a fork server's socket at $TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX: 32
 # bytes after the folder, and a socket path holds at most 107.
 _SOCKET_FOLDER_MAX = 107 - 32

@@ -19,7 +19,8 @@ from prefetchd.master.job import build_index
 from prefetchd.plan import Plan
 from prefetchd.sources import kinds
 from prefetchd.sources.index import SampleBytes, scan_image_folder
-from prefetchd.workers.producer import BatchProducer, ProducerSpec
+from prefetchd.workers.producer import BatchProducer
+from prefetchd.workers.spec import ProducerSpec
 from tests.conftest import REPO
 
 TRANSFORMS = [{"op": "random_resized_crop", "size": 24}, {"op": "hflip"}]

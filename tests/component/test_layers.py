@@ -31,6 +31,17 @@ def test_the_daemon_never_imports_torch():
     assert "prefetchd" in modules and "torch" not in modules
 
 
+def test_the_master_loads_no_image_library_and_the_launch_nothing_of_prefetchd_but_its_own():
+    """What a detached daemon imports before it serves is a cold start's path: the worker side's
+    Pillow and decoders are the fork server's (preloaded beside it), psutil is only for
+    --node-cpus. And `prefetchd start` launches its daemon before any import of its own but the
+    launch's (cli.daemonlaunch: the standard library and prefetchd's top package)."""
+    master = imported_after("import prefetchd.master.daemon, prefetchd.config, prefetchd.master.startup")
+    assert not {"PIL", "cv2", "simplejpeg", "turbojpeg", "psutil", "torch"} & master
+    launch = imported_after("import prefetchd.stopsignals, prefetchd.cli.daemonlaunch")
+    assert not {"numpy", "zmq", "typer", "rich", "PIL"} & launch
+
+
 def test_the_client_needs_only_numpy_and_pyzmq():
     modules = imported_after("from prefetchd_client import PrefetchLoader")
     assert {"numpy", "zmq"} <= modules

@@ -9,7 +9,7 @@ import pytest
 
 from prefetchd import messages
 from prefetchd.messages import BadWorkerMessage, BootFailed, Done, Failed, Heartbeat, Produce, Ready, Stop
-from prefetchd.workers.producer import SPEC_VERSION, ProducerSpec, SpecMismatch
+from prefetchd.workers.spec import SPEC_VERSION, ProducerSpec, SpecMismatch
 
 EVERY_MESSAGE = [
     Produce(epoch=1, step=2, rank=3),

@@ -17,7 +17,8 @@ import pytest
 
 from prefetchd.cli.datagen import make_image_folder
 from prefetchd.cli.verify import verify_batch
-from prefetchd.workers.producer import PRODUCER_SPEC, BatchProducer, ProducerSpec
+from prefetchd.workers.producer import BatchProducer
+from prefetchd.workers.spec import PRODUCER_SPEC, ProducerSpec
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.batchfile import BatchFormatError
 from prefetchd_client.manifest import read_manifest

@@ -12,7 +12,7 @@ import threading
 import pytest
 import zmq
 
-from prefetchd.workers.producer import SPEC_VERSION
+from prefetchd.workers.spec import SPEC_VERSION
 from prefetchd_client import (
     BatchLayout,
     BatchWriter,

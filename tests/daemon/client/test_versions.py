@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from prefetchd.workers.producer import PRODUCER_SPEC, SPEC_VERSION
+from prefetchd.workers.spec import PRODUCER_SPEC, SPEC_VERSION
 from prefetchd_client import PlanMismatch, PrefetchLoader
 from prefetchd_client.manifest import MANIFEST_VERSION
 from tests.conftest import cli, write_config

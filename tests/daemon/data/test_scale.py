@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from prefetchd.plan import Plan
-from prefetchd.workers.producer import PRODUCER_SPEC
+from prefetchd.workers.spec import PRODUCER_SPEC
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.layout import JobPaths
 from tests.conftest import cli, daemon_family, write_config

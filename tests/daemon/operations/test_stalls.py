@@ -321,7 +321,8 @@ def test_status_watch_is_live_in_a_real_terminal_and_ctrl_c_exits_0(tmp_path, jp
         stamp = next(line for line in first.splitlines() if "refreshed every" in line)
         wait_until(lambda: stamp not in screen(), timeout_s=5, what="a refresh")  # the clock moved: it is live
         subprocess.run(["tmux", "send-keys", "-t", session, "C-c"], check=True)
-        wait_until(done.exists, timeout_s=10, what="--watch to exit on Ctrl-C")
+        # The shell creates the file, then writes the code: wait for the code itself.
+        wait_until(lambda: done.exists() and done.read_text().strip(), timeout_s=10, what="--watch to exit on Ctrl-C")
         assert done.read_text().strip() == "0"
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)

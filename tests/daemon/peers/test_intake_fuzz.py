@@ -15,7 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefetchd import control
-from prefetchd.workers.producer import PRODUCER_SPEC, BatchProducer, ProducerSpec
+from prefetchd.workers.producer import BatchProducer
+from prefetchd.workers.spec import PRODUCER_SPEC, ProducerSpec
 from prefetchd_client import PrefetchLoader
 from prefetchd_client.manifest import read_manifest
 from tests.conftest import wait_until, write_config

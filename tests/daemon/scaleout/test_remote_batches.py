@@ -12,7 +12,8 @@ import pytest
 
 from prefetchd.remote.raybridge import not_this_batch
 from prefetchd.sources.index import SampleIndex
-from prefetchd.workers.producer import PRODUCER_SPEC, BatchProducer, ProducerSpec
+from prefetchd.workers.producer import BatchProducer
+from prefetchd.workers.spec import PRODUCER_SPEC, ProducerSpec
 from prefetchd_client.batchfile import map_batch
 from tests.conftest import start_job, write_config
 from tests.helpers import read_epoch
