@@ -93,6 +93,10 @@ def _serve_forks(listener_fd: int, alive_r: int) -> None:
         os.closerange(3, low)
         os.closerange(low + 1, high)
         os.closerange(high + 1, os.sysconf("SC_OPEN_MAX"))
+        # The daemon's resource tracker descriptor, closed just now: its number may be reused
+        # (an accepted connection), so nothing here may write to it. Its workers are sent it.
+        resource_tracker._resource_tracker._fd = None
+        resource_tracker._resource_tracker._pid = None
         # This module was imported before the fork: its preload steps run here, not on import.
         _die_with_the_daemon()
         _preload_decoder_libraries()
