@@ -28,6 +28,8 @@ import tempfile
 import time
 from multiprocessing import connection, resource_tracker
 
+from prefetchd.workers import heap
+
 CONTEXT = multiprocessing.get_context("forkserver")
 # Imported once in the server. This module first: in the server it ties the server's life to the
 # daemon's (_die_with_the_daemon) and imports the decoders' libraries (_preload_decoder_libraries).
@@ -194,7 +196,8 @@ def _preload_decoder_libraries() -> None:
             sys.modules.pop(name, None)
 
 
-if _in_the_server():
+if _in_the_server():  # a fresh interpreter (`start --foreground`, or started again after a death)
+    heap.fix_thresholds()
     _die_with_the_daemon()
     _preload_decoder_libraries()
 
