@@ -45,7 +45,6 @@ Rules:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import functools
 import hashlib
@@ -67,7 +66,7 @@ from prefetchd.errors import ConfigError, DataError, UserError
 from prefetchd.sizes import format_size, parse_size
 from prefetchd.sources import shards, tarformat
 from prefetchd.sources.index import SampleIndex, find_classes, read_file_list, scan_image_folder
-from prefetchd.workers import workerserver
+from prefetchd.workers import kernel, workerserver
 from prefetchd.workers.transforms import ALLOWED_FORMATS
 from prefetchd_client.errors import UnsafeFolder
 from prefetchd_client.folders import DIR_FLAGS, make_private_dir
@@ -78,7 +77,6 @@ _MIN_SHARD_BYTES = tarfile.RECORDSIZE  # one tar record: the smallest file tarfi
 _CHUNK = 16  # samples per task sent to a worker: amortises the pickling round trip
 _PARTIAL = ".partial"  # shards are written here and moved into OUT_DIR at the end
 _FIX = "choose a folder of your own that only you can write (mode 700), under folders of yours or root's"
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _OCTAL_MODE = re.compile(r"(?:0o)?([0-7]{1,12})", re.ASCII)  # 12: a bound, far past 7777
 _EXTENSIONS = {"JPEG": "jpg", "PNG": "png", "TIFF": "tiff", "WEBP": "webp", "BMP": "bmp", "PPM": "ppm"}
 
@@ -221,10 +219,7 @@ def _die_with_the_pack(pack_pid: int) -> None:
     """In a worker: SIGKILL when its parent (the fork server, which dies with pack) dies; and
     Ctrl-C, which a terminal sends to the whole group, left to pack (no traceback per worker)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    except (OSError, AttributeError):  # not Linux: pack's pool ends its workers when it can
-        pass
+    kernel.die_with_the_parent()  # not Linux: pack's pool ends its workers when it can
     # The pool forks a worker when work waits for one: forked just as pack died (and the server
     # with it), it asked for the signal too late to get it, and would wait for work for good.
     if _gone(pack_pid):

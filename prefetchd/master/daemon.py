@@ -20,7 +20,7 @@ from prefetchd import stopsignals
 from prefetchd.errors import DaemonStop, ExitCode, JobError, UserError, describe, start_failure, to_json
 from prefetchd.ops import sdnotify
 from prefetchd.ops.startclock import StartClock
-from prefetchd.workers import ONE_THREAD_PER_PROCESS, heap, workerserver
+from prefetchd.workers import ONE_THREAD_PER_PROCESS, kernel, workerserver
 from prefetchd_client.layout import JobPaths
 
 if TYPE_CHECKING:
@@ -65,7 +65,7 @@ def serve(
         return notify({"ok": True, "pid": os.getpid(), "job_dir": str(paths.dir)}) is not False
 
     try:
-        master = start_master(config, paths, keep=keep, announce=announce, clock=clock or StartClock())
+        master = start_master(config, paths, keep=keep, announce=announce, clock=clock)
     except Exception as exc:  # a bug or the unforeseen too: still one clear message, never silence
         return _refuse_start(notify, paths, start_failure(exc, paths.log))
     manager.ready(f"serving job {paths.name} at {paths.dir}")
@@ -86,7 +86,7 @@ def _begin(*, fork_server: bool = False) -> sdnotify.Notifier:
     detached daemon, which comes here as bare as a fresh interpreter."""
     os.umask(0o077)  # whatever the daemon or a library creates (the socket, logs) is the user's alone
     os.environ.update(ONE_THREAD_PER_PROCESS)  # `start --foreground`: before numpy loads here, and in the worker server
-    heap.fix_thresholds()  # a week-long master's heap stays its size; the worker server forks with it
+    kernel.fix_heap_thresholds()  # a week-long master's heap stays its size; the worker server forks with it
     manager = sdnotify.Notifier.from_environment()  # silent on a second call: the variables are gone
     workerserver.start(fork=fork_server)
     return manager

@@ -31,9 +31,10 @@ import numpy as np
 
 from prefetchd.messages import BootFailed, Done, ExecutorLost, Failed, Produce, Ready, decode, encode
 from prefetchd.remote import rayaddress, raycluster, rayinstance, rayresults, raytask
+from prefetchd.workers import kernel
 from prefetchd.workers.producer import BatchProducer, SampleProgress, publish, tmp_path
 from prefetchd.workers.spec import ProducerSpec, why_not_this_batch
-from prefetchd.workers.worker import _die_with_the_master, _send, _send_heartbeats
+from prefetchd.workers.worker import _send, _send_heartbeats
 from prefetchd_client.batchfile import BatchFormatError, read_batch, write_batch_file
 
 _NODE_CHECK_S = 2.0  # how often the bridge asks Ray whether a node can still run the tasks
@@ -43,7 +44,7 @@ _TASK_SLACK_S = 60.0  # added to a whole batch's time before a task is cancelled
 
 def bridge_main(spec_json: str, conns: list, nice: int, options: dict) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the master alone decides when it stops
-    _die_with_the_master()
+    kernel.die_with_the_parent()  # SIGKILL with the master, whatever Ray is doing
     os.nice(nice)
     parent = os.getppid()
     progress = [SampleProgress() for _ in conns]

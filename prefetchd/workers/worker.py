@@ -6,7 +6,6 @@ small JSON spec. The messages both ways are prefetchd.messages.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import json
 import os
@@ -28,13 +27,13 @@ from prefetchd.messages import (
     encode,
 )
 from prefetchd.sources import objects
+from prefetchd.workers import kernel
 from prefetchd.workers.producer import BatchProducer, SampleError, SampleProgress
 from prefetchd.workers.spec import ProducerSpec
 
 _PARENT_CHECK_S = 1.0
 
 
-_PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15  # <linux/prctl.h>
 WORKER_NAME = b"prefetchd-work"  # a worker's name in `ps -o comm` (at most 15 bytes)
 _send_lock = threading.Lock()  # the heartbeat thread and the main loop share the pipe
 
@@ -69,23 +68,14 @@ def _printable(path: str) -> str:
     return path.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
-def _die_with_the_master() -> None:
-    """Ask the kernel for SIGKILL when the master dies: a worker blocked in a sample (a hung
-    mount) never gets back to checking its parent, and would hold its tmp file and the index
-    after a kill -9 of the master. Linux only; elsewhere the parent check between tasks remains."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        libc.prctl(_PR_SET_NAME, WORKER_NAME, 0, 0, 0)  # `ps -o comm`, top: not the fork server's name
-    except (OSError, AttributeError):
-        pass
-
-
 def worker_main(spec_json: str, conn, nice: int = 0) -> None:
     # Ctrl-C in a foreground daemon reaches the whole process group; the master alone
     # decides how workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_the_master()
+    # SIGKILL when its parent dies: a worker blocked in a sample (a hung mount) never gets back
+    # to checking its parent, and would hold its tmp file and the index after a kill -9.
+    # Elsewhere than Linux the parent check between tasks remains.
+    kernel.die_with_the_parent(WORKER_NAME)
     # Below the trainer: when its threads wake (a step ends, a batch is wanted) they get a
     # core at once instead of queueing behind augmentation for a scheduler tick or two.
     os.nice(nice)

@@ -16,7 +16,6 @@ kills it (unstick), and its workers go with it and are replaced.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib
 import multiprocessing
 import multiprocessing.forkserver
@@ -28,14 +27,13 @@ import tempfile
 import time
 from multiprocessing import connection, resource_tracker
 
-from prefetchd.workers import heap
+from prefetchd.workers import kernel
 
 CONTEXT = multiprocessing.get_context("forkserver")
 # Imported once in the server. This module first: in the server it ties the server's life to the
-# daemon's (_die_with_the_daemon) and imports the decoders' libraries (_preload_decoder_libraries).
+# daemon's and imports the decoders' libraries (_become_the_server).
 PRELOAD = [__name__, "prefetchd.workers.worker"]
 
-_PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15  # <linux/prctl.h>
 SERVER_NAME = b"prefetchd-fork"  # the server's name in `ps -o comm` (at most 15 bytes)
 
 
@@ -99,9 +97,7 @@ def _serve_forks(listener_fd: int, alive_r: int) -> None:
         # (an accepted connection), so nothing here may write to it. Its workers are sent it.
         resource_tracker._resource_tracker._fd = None
         resource_tracker._resource_tracker._pid = None
-        # This module was imported before the fork: its preload steps run here, not on import.
-        _die_with_the_daemon()
-        _preload_decoder_libraries()
+        _become_the_server()  # this module was imported before the fork: not on its import here
         multiprocessing.forkserver.main(listener_fd, alive_r, PRELOAD)
         code = 0
     except SystemExit:  # the daemon ended (the alive pipe's EOF): how the server always ends
@@ -165,21 +161,22 @@ def _in_the_server() -> bool:
     return frame is not None
 
 
-def _die_with_the_daemon() -> None:
-    """In the fork server: SIGKILL when its parent, the daemon, dies. Its pipe from the daemon
-    closing ends it too, but not while it is stopped, nor while a worker (which holds that pipe
-    as well) is blocked in a sample; the kernel's signal does."""
+def _become_the_server() -> None:
+    """The server's first steps, forked or a fresh interpreter: the daemon's heap settings
+    (inherited by a fork, set here in a fresh one), its life tied to the daemon's, the
+    decoders' libraries imported.
+
+    SIGKILL when its parent, the daemon, dies: its pipe from the daemon closing ends it too,
+    but not while it is stopped, nor while a worker (which holds that pipe as well) is blocked
+    in a sample; the kernel's signal does."""
+    kernel.fix_heap_thresholds()
     # Ctrl-C in a terminal reaches the whole process group of `start --foreground`: the daemon
     # alone decides what it means (stopsignals), and the server, preloading, would print a
     # KeyboardInterrupt traceback there. (Not set by the daemon around the spawn: ignored there
     # for a moment, a Ctrl-C taken by another of its threads would be lost.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        libc.prctl(_PR_SET_NAME, SERVER_NAME, 0, 0, 0)  # `ps -o comm`, top: what it is, whether forked or not
-    except (OSError, AttributeError):
-        pass
+    kernel.die_with_the_parent(SERVER_NAME)
+    _preload_decoder_libraries()
 
 
 def _preload_decoder_libraries() -> None:
@@ -197,9 +194,7 @@ def _preload_decoder_libraries() -> None:
 
 
 if _in_the_server():  # a fresh interpreter (`start --foreground`, or started again after a death)
-    heap.fix_thresholds()
-    _die_with_the_daemon()
-    _preload_decoder_libraries()
+    _become_the_server()
 
 
 def server_pid() -> int | None:

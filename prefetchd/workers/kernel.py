@@ -1,0 +1,44 @@
+"""What a daemon process asks of Linux and glibc, through ctypes: to die with its parent, a
+name, and a heap that keeps its size. Elsewhere each is skipped.
+
+The heap: glibc raises its mmap threshold each time a large block that it had mapped is freed
+(up to 32 MiB): from then on blocks of that size come from the heap, whose pages stay with the
+process. Measured on a master serving two fast ranks (tests/daemon/operations/test_soak.py, 20
+minutes): its private memory was flat for minutes 9 to 17, then stepped up 0.5 MiB at minute 18
+and kept it, in both runs (1.8-2.8 bytes per batch). With the thresholds fixed at glibc's
+defaults, large blocks are mapped and unmapped each time and the heap's top is trimmed: 0.08
+bytes per batch, no step.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import signal
+
+_PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15  # <linux/prctl.h>
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
+_DEFAULT_THRESHOLD = 128 << 10  # glibc's own default of both, fixed: no longer moved by frees
+
+
+def die_with_the_parent(name: bytes | None = None) -> None:
+    """SIGKILL when this process's parent dies; and ``name`` as its name in `ps -o comm` and
+    top (at most 15 bytes). Not Linux: nothing (its parent's pipe closing remains)."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if name is not None:
+            libc.prctl(_PR_SET_NAME, name, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def fix_heap_thresholds() -> None:
+    """glibc's malloc thresholds fixed, in this process and the processes it forks from now on.
+    Not glibc (musl, macOS): nothing."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    mallopt(_M_MMAP_THRESHOLD, _DEFAULT_THRESHOLD)
+    mallopt(_M_TRIM_THRESHOLD, _DEFAULT_THRESHOLD)
