@@ -2,8 +2,8 @@
 so that Ctrl-C while it loads (a few hundred ms) ends it as Ctrl-C ends a command, with exit
 code 130 and no traceback. `start` takes stop signals first thing: from then on a stop is the
 start's to act on (stopsignals), never an exception that an import might swallow. Then it
-launches its daemon process (cli.daemonlaunch, standard library only), before the CLI's own
-imports: the daemon's interpreter and imports run beside them, not after."""
+forks its daemon process (cli.daemonlaunch, standard library only), before the CLI's own
+imports: the daemon's imports run beside them, not after, and it needs no interpreter of its own."""
 
 import os
 import sys
@@ -20,9 +20,11 @@ def main() -> None:
             if not {"--foreground", "--help"} & set(sys.argv[2:]):  # those run no daemon of their own
                 from prefetchd.cli.daemonlaunch import DaemonLaunch
 
-                early_daemon = DaemonLaunch()  # a stop signal cancels it (app.main, once it runs)
+                early_daemon = DaemonLaunch(fork=True)  # a stop signal cancels it (app.main, once it runs)
     except KeyboardInterrupt:  # Ctrl-C before `start` takes stop signals: nothing was started yet
         sys.exit(130)
+    except OSError:  # the fork refused (`ulimit -u`): `start` tries again once it has its job, and says why
+        early_daemon = None
     try:
         from prefetchd.cli.app import main as run_command
     except BaseException:  # Ctrl-C (not `start`: it records signals), or a broken install

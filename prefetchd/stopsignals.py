@@ -34,6 +34,11 @@ def _record(signum: int, frame) -> None:
     _received.append(signum)
 
 
+def forget() -> None:
+    """Drop the stops recorded so far: a forked child's are its parent's to act on."""
+    _received.clear()
+
+
 def received() -> signal.Signals | None:
     """The first stop signal received, or None."""
     return signal.Signals(_received[0]) if _received else None

@@ -3,10 +3,8 @@ turns a UserError into its message and exit code (never a traceback)."""
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
-import logging
 import os
 import stat
 import sys
@@ -17,6 +15,7 @@ import typer
 from rich.markup import escape
 
 from prefetchd import control, settings
+from prefetchd.cli.quickexit import exit_now
 from prefetchd.cli.summary import start_summary
 from prefetchd.cli.terminal import bounded, err, literal, out, progress
 from prefetchd.errors import DaemonStop, ExitCode, JobError, UserError, describe, error_from_json
@@ -463,17 +462,7 @@ def main(early_daemon=None) -> None:
         if code is not None:
             print(code, file=sys.stderr)
         code = 0 if code is None else 1
-    # The interpreter's teardown (freeing numpy, typer's pydantic and the rest, module by
-    # module) takes ~100 ms, a tenth of `prefetchd start`. Nothing of ours needs it: output
-    # and logs are flushed here, and a foreground daemon has stopped its workers already.
-    logging.shutdown()
-    mp_util = sys.modules.get("multiprocessing.util")
-    if mp_util is not None:  # the exit hooks os._exit skips: they remove a fork server's pymp-* folder
-        mp_util._run_finalizers()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(OSError, ValueError):  # a closed pipe (`prefetchd status | head`)
-            stream.flush()
-    os._exit(code)
+    exit_now(code)  # no teardown: output and logs are flushed, a foreground daemon has stopped its workers
 
 
 if __name__ == "__main__":

@@ -54,7 +54,13 @@ def start_detached(
     to start (never silence). A stop signal meanwhile (Ctrl-C; SIGTERM too where `prefetchd
     start` took them, stopsignals) cancels the start, whatever the daemon has got to: the user
     sees no job start, so none may serve (one it announced a moment before stops at once)."""
-    daemon = launched or DaemonLaunch()
+    try:
+        daemon = launched or DaemonLaunch()
+    except OSError as exc:  # fork or exec refused: a process or memory limit, most often
+        raise JobError(
+            f"could not start the daemon's process ({exc.strerror or exc}): the user's process limit "
+            "(`ulimit -u`) or the memory may be used up; nothing was started"
+        ) from None
     try:
         stopsignals.check_starting()  # one that came while the command read its flags and config
         msg = _hand_over(daemon, config, paths, keep, timeout_s)

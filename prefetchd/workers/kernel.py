@@ -1,5 +1,6 @@
 """What a daemon process asks of Linux and glibc, through ctypes: to die with its parent, a
-name, and a heap that keeps its size. Elsewhere each is skipped.
+name, and a heap that keeps its size. Elsewhere each is skipped. And a child forked with a pipe
+from its parent, which is how the command starts its daemon and the daemon its worker server.
 
 The heap: glibc raises its mmap threshold each time a large block that it had mapped is freed
 (up to 32 MiB): from then on blocks of that size come from the heap, whose pages stay with the
@@ -13,7 +14,10 @@ bytes per batch, no step.
 from __future__ import annotations
 
 import ctypes
+import os
 import signal
+from collections.abc import Callable
+from typing import NoReturn
 
 _PR_SET_PDEATHSIG, _PR_SET_NAME = 1, 15  # <linux/prctl.h>
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
@@ -42,3 +46,19 @@ def fix_heap_thresholds() -> None:
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
     mallopt(_M_MMAP_THRESHOLD, _DEFAULT_THRESHOLD)
     mallopt(_M_TRIM_THRESHOLD, _DEFAULT_THRESHOLD)
+
+
+def fork_with_a_pipe(child: Callable[[int], NoReturn]) -> tuple[int, int]:
+    """Fork a child that runs ``child(r)``, ``r`` the read end of a new pipe, and never returns;
+    here, the child's pid and the pipe's write end."""
+    read_fd, write_fd = os.pipe()
+    try:
+        pid = os.fork()
+    except BaseException:
+        os.close(read_fd)
+        os.close(write_fd)
+        raise
+    if pid == 0:
+        child(read_fd)
+    os.close(read_fd)
+    return pid, write_fd

@@ -65,16 +65,7 @@ def _fork_the_server() -> None:
             listener.bind(address)
             os.chmod(address, 0o600)
             listener.listen()
-            alive_r, alive_w = os.pipe()
-            try:
-                pid = os.fork()
-            except BaseException:
-                os.close(alive_r)
-                os.close(alive_w)
-                raise
-            if pid == 0:
-                _serve_forks(listener.fileno(), alive_r)  # never returns
-            os.close(alive_r)
+            pid, alive_w = kernel.fork_with_a_pipe(lambda alive_r: _serve_forks(listener.fileno(), alive_r))
         server._forkserver_address = address
         server._forkserver_alive_fd = alive_w
         server._forkserver_pid = pid

@@ -135,8 +135,8 @@ def _stop() -> bool:
 def _launched_daemon(command_pid: int) -> psutil.Process | None:
     try:
         for child in psutil.Process(command_pid).children():
-            if "prefetchd.master.daemon" in " ".join(child.cmdline()):
+            if os.getsid(child.pid) == child.pid:  # the command's fork that leads a session of its own
                 return child
-    except psutil.Error:
+    except (psutil.Error, ProcessLookupError):
         pass
     return None
