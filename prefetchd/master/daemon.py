@@ -86,9 +86,12 @@ def _begin(*, fork_server: bool = False) -> sdnotify.Notifier:
     detached daemon, which comes here as bare as a fresh interpreter."""
     os.umask(0o077)  # whatever the daemon or a library creates (the socket, logs) is the user's alone
     os.environ.update(ONE_THREAD_PER_PROCESS)  # `start --foreground`: before numpy loads here, and in the worker server
-    kernel.fix_heap_thresholds()  # a week-long master's heap stays its size; the worker server forks with it
     manager = sdnotify.Notifier.from_environment()  # silent on a second call: the variables are gone
     workerserver.start(fork=fork_server)
+    # A week-long master's heap stays its size. After the fork: a worker keeps glibc's dynamic
+    # thresholds, which serve its per-image buffers (0.5-1 MB) from the heap; fixed, each is
+    # mapped and its pages faulted in afresh, 13-19 % of a worker's images/s (kernel.py).
+    kernel.fix_heap_thresholds()
     return manager
 
 

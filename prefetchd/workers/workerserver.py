@@ -153,14 +153,13 @@ def _in_the_server() -> bool:
 
 
 def _become_the_server() -> None:
-    """The server's first steps, forked or a fresh interpreter: the daemon's heap settings
-    (inherited by a fork, set here in a fresh one), its life tied to the daemon's, the
-    decoders' libraries imported.
+    """The server's first steps, forked or a fresh interpreter: its life tied to the daemon's,
+    the decoders' libraries imported. (glibc's heap thresholds are left dynamic here, for the
+    workers: the daemon fixes its own after it forks the server, master/daemon.py.)
 
     SIGKILL when its parent, the daemon, dies: its pipe from the daemon closing ends it too,
     but not while it is stopped, nor while a worker (which holds that pipe as well) is blocked
     in a sample; the kernel's signal does."""
-    kernel.fix_heap_thresholds()
     # Ctrl-C in a terminal reaches the whole process group of `start --foreground`: the daemon
     # alone decides what it means (stopsignals), and the server, preloading, would print a
     # KeyboardInterrupt traceback there. (Not set by the daemon around the spawn: ignored there
