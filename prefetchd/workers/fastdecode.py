@@ -32,6 +32,9 @@ from prefetchd.workers.decoders import LIBRARIES, broken_advice, install_advice
 cv2 = simplejpeg = None
 
 
+LIMITS_SCANS = False  # simplejpeg decodes every scan: the pipeline counts them first (transforms.py)
+
+
 def require() -> None:
     """Import the fast decoder's libraries, or say how to install them (ImportError)."""
     global cv2, simplejpeg

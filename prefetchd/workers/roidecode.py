@@ -24,6 +24,8 @@ from PIL import Image
 from prefetchd.workers import fastdecode, tjlib
 from prefetchd.workers.tjlib import Region, ScalingFactor, get
 
+LIMITS_SCANS = True  # libjpeg-turbo stops at tjlib.MAX_SCANS (TJPARAM_SCANLIMIT), and decode_resampled says so
+
 
 def require() -> None:
     """Load libturbojpeg 3 and OpenCV (which resamples the region), or say how to install them."""
