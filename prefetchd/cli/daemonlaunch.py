@@ -52,13 +52,14 @@ class DaemonLaunch:
 
     def __init__(self, *, fork: bool = False) -> None:
         """``fork``: this process becomes the daemon's by a fork rather than an exec; only for
-        a process as bare as a fresh interpreter (see the module's docstring)."""
+        a process as bare as a fresh interpreter (see the module's docstring), and never while
+        a second thread runs in it (one a sitecustomize started): then it execs."""
         self.ready_fd, write_fd = os.pipe()
         # Its stderr until it can send a message (main() lets it go then): a crash before that,
         # an import error say, leaves its last words here rather than on /dev/null.
         self.early_stderr = tempfile.TemporaryFile()
         try:
-            if fork:
+            if fork and kernel.single_threaded():
                 self.proc = _fork_the_daemon(write_fd, self.early_stderr.fileno())
             else:
                 self.proc = subprocess.Popen(
@@ -93,6 +94,7 @@ class DaemonLaunch:
         server's socket folder from $TMPDIR (a SIGKILL would leave it there)."""
         if self.proc.poll() is None:
             self.proc.terminate()
+            self.proc.send_signal(signal.SIGCONT)  # one stopped (SIGSTOP, Ctrl-Z) acts on it now, not when killed
             try:
                 self.proc.wait(timeout=_CANCEL_WAIT_S)
             except subprocess.TimeoutExpired:
@@ -163,8 +165,7 @@ def _be_the_daemon(order_fd: int, ready_fd: int, stderr_fd: int) -> NoReturn:
         null = os.open(os.devnull, os.O_RDWR)
         for fd, to in ((order_fd, 0), (null, 1), (stderr_fd, 2)):
             os.dup2(fd, to)
-        os.closerange(3, ready_fd)
-        os.closerange(ready_fd + 1, os.sysconf("SC_OPEN_MAX"))
+        kernel.close_descriptors_but(ready_fd)
         os.environ.update(ONE_THREAD_PER_PROCESS)
         sys.argv = ["-c", "--ready-fd", str(ready_fd)]
         sys.modules["__main__"] = types.ModuleType("__main__")

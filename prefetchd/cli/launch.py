@@ -56,11 +56,9 @@ def start_detached(
     sees no job start, so none may serve (one it announced a moment before stops at once)."""
     try:
         daemon = launched or DaemonLaunch()
-    except OSError as exc:  # fork or exec refused: a process or memory limit, most often
-        raise JobError(
-            f"could not start the daemon's process ({exc.strerror or exc}): the user's process limit "
-            "(`ulimit -u`) or the memory may be used up; nothing was started"
-        ) from None
+    except OSError as exc:  # a pipe, a temporary file, the fork or the exec refused
+        why = f"could not start the daemon's process ({exc.strerror or exc}){_why_not(exc)}"
+        raise JobError(f"{why}; nothing was started") from None
     try:
         stopsignals.check_starting()  # one that came while the command read its flags and config
         msg = _hand_over(daemon, config, paths, keep, timeout_s)
@@ -70,6 +68,17 @@ def start_detached(
         daemon.cancel()
         name = stopsignals.received() or signal.SIGINT
         raise JobError(f"stopped by {name.name} while the daemon started: the start was undone") from None
+
+
+def _why_not(exc: OSError) -> str:
+    """What the user can do about an OSError of the launch, by its errno."""
+    if exc.errno in (errno.EAGAIN, errno.ENOMEM):
+        return ": the user's process limit (`ulimit -u`) or the memory is used up"
+    if exc.errno in (errno.EMFILE, errno.ENFILE):
+        return ": too many open files (`ulimit -n` for this shell, or the system's limit)"
+    if exc.errno in (errno.ENOENT, errno.EACCES, errno.EROFS, errno.ENOSPC):  # "No usable temporary directory"
+        return ": no writable temporary folder; set $TMPDIR to one"
+    return ""
 
 
 def _hand_over(daemon: DaemonLaunch, config: Config, paths: JobPaths, keep: bool, timeout_s: float) -> dict:

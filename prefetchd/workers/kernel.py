@@ -1,6 +1,7 @@
 """What a daemon process asks of Linux and glibc, through ctypes: to die with its parent, a
-name, and a heap that keeps its size. Elsewhere each is skipped. And a child forked with a pipe
-from its parent, which is how the command starts its daemon and the daemon its worker server.
+name, and a heap that keeps its size. Elsewhere each is skipped. And what a fork that stands in
+for an exec needs (the command forks its daemon, the daemon its worker server): a pipe to the
+child, every other descriptor closed in it, and no second thread in the parent.
 
 The heap: glibc raises its mmap threshold each time a large block that it had mapped is freed
 (up to 32 MiB): from then on blocks of that size come from the heap, whose pages stay with the
@@ -64,3 +65,33 @@ def fork_with_a_pipe(child: Callable[[int], NoReturn]) -> tuple[int, int]:
         child(read_fd)
     os.close(read_fd)
     return pid, write_fd
+
+
+def single_threaded() -> bool:
+    """Whether this process runs one thread (any kind: one a sitecustomize or a C library
+    started too). A fork copies only the calling thread, and a lock another thread held (an
+    import's, say) stays held in the child for ever: with a second thread, exec instead."""
+    try:
+        return len(os.listdir("/proc/self/task")) == 1
+    except OSError:  # no /proc: Python's own threads are all we can see
+        import threading
+
+        return threading.active_count() == 1
+
+
+def close_descriptors_but(*keep: int) -> None:
+    """Close every descriptor of this process but ``keep`` and stdio, as an exec with
+    close_fds would: also those above the soft RLIMIT_NOFILE, which a parent with a higher limit
+    may have left open (`exec 100>&1` in a shell, then `ulimit -n 64`)."""
+    try:
+        found = [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # no /proc: every number below the hard limit
+        import resource
+
+        found = range(3, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    for fd in found:
+        if fd > 2 and fd not in keep:
+            try:
+                os.close(fd)
+            except OSError:  # the listing's own descriptor, closed since
+                pass

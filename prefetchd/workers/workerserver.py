@@ -45,10 +45,11 @@ def start(*, fork: bool = False) -> None:
     saves an interpreter's start (~0.1 s of a cold start, and its CPU beside the daemon's
     imports). Only for a process that is as bare as a fresh one: the detached daemon, first
     thing (no thread, no lock, no socket, only standard-library state and prefetchd's light
-    modules). A server started again after it died is a fresh interpreter."""
+    modules), and with no second thread (kernel.single_threaded: else a fresh interpreter too).
+    A server started again after it died is a fresh interpreter."""
     fit_socket_folder()
     CONTEXT.set_forkserver_preload(PRELOAD)
-    if fork and server_pid() is None:
+    if fork and server_pid() is None and kernel.single_threaded():
         _fork_the_server()
     multiprocessing.forkserver.ensure_running()
 
@@ -80,10 +81,7 @@ def _serve_forks(listener_fd: int, alive_r: int) -> None:
     try:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, signal.SIG_DFL)
-        low, high = sorted((listener_fd, alive_r))
-        os.closerange(3, low)
-        os.closerange(low + 1, high)
-        os.closerange(high + 1, os.sysconf("SC_OPEN_MAX"))
+        kernel.close_descriptors_but(listener_fd, alive_r)
         # The daemon's resource tracker descriptor, closed just now: its number may be reused
         # (an accepted connection), so nothing here may write to it. Its workers are sent it.
         resource_tracker._resource_tracker._fd = None

@@ -89,6 +89,49 @@ def test_a_start_with_its_stdio_closed_serves_and_says_so(tmp_path, jpeg_folder,
     assert cli("stop", "job").returncode == 0 and list(job_root.iterdir()) == []
 
 
+def test_the_daemon_and_its_processes_hold_no_descriptor_of_the_command(tmp_path, jpeg_folder, job_root):
+    # Attack of the forked launch: a descriptor the command inherited above its soft limit (a
+    # shell's `exec 100>&1`, then `ulimit -n 64`) stayed open in the daemon, its server and its
+    # workers, which the old exec never let through; `$(prefetchd start ...)` then hung for the
+    # job's whole life, its pipe held open. And 3..40 below the limit.
+    config = write_config(tmp_path, jpeg_folder, workers=1)
+    marker = tmp_path / "held-by-the-command"
+    script = tmp_path / "start.sh"
+    script.write_text(
+        f'exec 100>"{marker}"\nfor fd in $(seq 3 40); do eval "exec $fd<{config}"; done\nulimit -n 64\n'
+        f"{sys.executable} -m prefetchd start {config}\n"
+    )
+    # Captured as $(...) captures: returns only once every holder of the pipe has closed it.
+    out = subprocess.run(["bash", "-c", f'out=$(bash {script}); echo "$out"'], timeout=60, capture_output=True)
+    assert out.returncode == 0 and "serving" in out.stdout.decode(), out.stderr.decode()[-2000:]
+    paths = JobPaths.of("job")
+    wait_until(lambda: all(w["ready"] for w in job_status(paths)["workers"]["each"]), 60, what="the worker booted")
+    daemon = psutil.Process(read_manifest(paths)["pid"])
+    for proc in (daemon, *daemon.children(recursive=True)):
+        held = {os.readlink(f"/proc/{proc.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{proc.pid}/fd")}
+        assert not held & {str(marker), str(config)}, f"{proc.name()} ({proc.pid}) holds {sorted(held)}"
+    assert cli("stop", "job").returncode == 0
+
+
+def test_a_command_with_a_second_thread_execs_its_daemon_rather_than_fork_it(tmp_path, jpeg_folder, job_root):
+    # Attack of the forked launch: a thread a sitecustomize starts (an agent warming up numpy)
+    # held numpy's import lock at the fork, and the forked daemon waited on it for ever (`start`
+    # for 600 s; 4 of 4 tries). With a second thread the command execs its daemon, and the daemon
+    # (which runs the same sitecustomize) execs its worker server.
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(5,), daemon=True).start()\n"
+    )
+    env = {"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    started = cli("start", str(write_config(tmp_path, jpeg_folder, workers=1)), env=env)
+    assert started.returncode == 0, started.stderr
+    daemon = psutil.Process(read_manifest(JobPaths.of("job"))["pid"])
+    assert "--ready-fd" in daemon.cmdline(), daemon.cmdline()  # exec'd: `python -c ... --ready-fd N`
+    assert len(read_epoch("job")) > 0
+    assert cli("stop", "job").returncode == 0
+
+
 # -- the command goes away: the launched daemon must not stay -----------------------------
 
 
