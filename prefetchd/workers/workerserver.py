@@ -27,6 +27,7 @@ import tempfile
 import time
 from multiprocessing import connection, resource_tracker
 
+from prefetchd.errors import JobError
 from prefetchd.workers import kernel
 
 CONTEXT = multiprocessing.get_context("forkserver")
@@ -112,8 +113,14 @@ _SOCKET_FOLDER_MAX = 107 - 32
 def fit_socket_folder() -> None:
     """Where $TMPDIR is too long for a socket path (a batch scheduler's per-job folder can be),
     this process's temporary files go to the first short system folder it may write instead;
-    Python 3.11's multiprocessing would fail with "AF_UNIX path too long"."""
-    if len(os.fsencode(tempfile.gettempdir())) <= _SOCKET_FOLDER_MAX:
+    Python 3.11's multiprocessing would fail with "AF_UNIX path too long". JobError where no
+    temporary folder can be written at all (the server's socket needs one)."""
+    try:
+        folder = tempfile.gettempdir()
+    except FileNotFoundError as exc:  # "No usable temporary directory found in [...]"
+        why = f"{exc.strerror}: the worker server's socket needs one; set $TMPDIR to one you can write"
+        raise JobError(why) from None
+    if len(os.fsencode(folder)) <= _SOCKET_FOLDER_MAX:
         return
     for folder in ("/tmp", "/var/tmp", "/dev/shm"):
         if os.access(folder, os.W_OK | os.X_OK):

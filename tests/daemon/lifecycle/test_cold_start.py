@@ -9,6 +9,7 @@ import ctypes
 import io
 import json
 import os
+import shutil
 import signal
 import struct
 import subprocess
@@ -130,6 +131,25 @@ def test_a_command_with_a_second_thread_execs_its_daemon_rather_than_fork_it(tmp
     assert "--ready-fd" in daemon.cmdline(), daemon.cmdline()  # exec'd: `python -c ... --ready-fd N`
     assert len(read_epoch("job")) > 0
     assert cli("stop", "job").returncode == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="needs root's unshare -m")
+@pytest.mark.parametrize("flags", ["", "--foreground"])
+def test_no_writable_temporary_folder_is_one_line_and_nothing_left(tmp_path, jpeg_folder, job_root, flags):
+    # Attack of the forked launch: with every temporary folder read-only, `start --foreground`
+    # printed a traceback (the worker server's socket folder), and a detached start said the
+    # process limit might be used up.
+    config = write_config(tmp_path, jpeg_folder)
+    readonly = "; ".join(f"mount --bind {d} {d} && mount -o remount,ro,bind {d}" for d in ("/tmp", "/var/tmp"))
+    script = f"{readonly} || exit 99; cd /var/tmp && exec {sys.executable} -m prefetchd start {config} {flags}"
+    env = {k: v for k, v in os.environ.items() if k not in ("TMPDIR", "TEMP", "TMP")}
+    done = subprocess.run(["unshare", "-m", "bash", "-c", script], env=env, capture_output=True, text=True, timeout=60)
+    if done.returncode == 99:
+        pytest.skip(f"no read-only bind mounts here: {done.stderr.strip()[-200:]}")
+    assert done.returncode == 4, done.stderr
+    assert "No usable temporary directory" in done.stderr and "TMPDIR" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert list(job_root.iterdir()) == []
 
 
 # -- the command goes away: the launched daemon must not stay -----------------------------
