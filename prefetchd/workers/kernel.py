@@ -85,10 +85,11 @@ def close_descriptors_but(*keep: int) -> None:
     may have left open (`exec 100>&1` in a shell, then `ulimit -n 64`)."""
     try:
         found = [int(name) for name in os.listdir("/proc/self/fd")]
-    except OSError:  # no /proc: every number below the hard limit
+    except OSError:  # no /proc: every number below the hard limit (the soft one, if unlimited)
         import resource
 
-        found = range(3, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        found = range(3, os.sysconf("SC_OPEN_MAX") if hard == resource.RLIM_INFINITY else hard)
     for fd in found:
         if fd > 2 and fd not in keep:
             try:

@@ -97,12 +97,6 @@ class SampleProgress:
     io: Callable[[], dict] = dict  # each object store's counters (SampleReader.io_totals), once a producer runs
 
 
-
-
-
-
-
-
 def tmp_path(paths: JobPaths, epoch: int, step: int, rank: int) -> Path:
     """Where this process writes a batch before publishing it: ``tmp/<batch>.<pid>`` (the pool
     sweeps a dead writer's files by that suffix)."""

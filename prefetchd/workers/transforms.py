@@ -187,6 +187,10 @@ class ImagePipeline:
         self._native = NATIVE_DECODERS.get(self.decoder)
         if self._native is not None:
             self._native.require()  # in a worker: its libraries, imported once
+        # Whether its decoder decodes every scan (Pillow, simplejpeg): then scan bombs are
+        # refused before it; libjpeg-turbo stops at MAX_SCANS itself, and only a file it hands
+        # on to Pillow is counted (_refuse_a_scan_bomb).
+        self._counts_scans_first = self._native is None or not self._native.LIMITS_SCANS
 
     def plan(self, size: tuple[int, int], rng: np.random.Generator) -> CropPlan:
         """Draw this sample's random numbers (in config order) for an image of `size` (w, h)."""
@@ -201,10 +205,10 @@ class ImagePipeline:
         result into `out` (shape output_shape; may be a view into a batch buffer)."""
         if out.shape != self.output_shape or out.dtype != np.uint8:
             raise ValueError(f"out must be uint8 of shape {self.output_shape}, got {out.dtype} {out.shape}")
-        source, v, scans_counted = io.BytesIO(data), None, False
+        v = None
+        if self._counts_scans_first:
+            _refuse_a_scan_bomb(data, path)
         if self._native is not None:
-            if not self._native.LIMITS_SCANS:
-                scans_counted = _refuse_a_scan_bomb(data, path)
             size = self._native.jpeg_size(data)
             if size is not None:
                 v = self.plan(size, rng)
@@ -217,10 +221,9 @@ class ImagePipeline:
                         pixels = fastdecode.flip(pixels)
                     _finish(pixels, replace(v, mirrored=False), out)
                     return
-            source = io.BytesIO(data)
-        if not scans_counted:
-            _refuse_a_scan_bomb(data, path)
-        with _open_image(source, path) as src:
+            if not self._counts_scans_first:  # libjpeg-turbo handed it on: Pillow has no scan limit
+                _refuse_a_scan_bomb(data, path)
+        with _open_image(io.BytesIO(data), path) as src:
             if v is None:
                 v = self.plan(src.size, rng)
             assert (v.h, v.w) == self.output_shape[:2]
@@ -250,14 +253,13 @@ def _open_image(source, path: str) -> Image.Image:
         raise Image.UnidentifiedImageError(f"cannot identify image file {path!r}") from None
 
 
-def _refuse_a_scan_bomb(data: bytes, path: str) -> bool:
+def _refuse_a_scan_bomb(data: bytes, path: str) -> None:
     """Image.DecompressionBombError for a JPEG of more scans than tjlib.MAX_SCANS: a progressive
     JPEG of thousands of tiny scans takes Pillow or simplejpeg minutes. Counted only before
     those decoders: libjpeg-turbo's own scan limit guards the turbojpeg one (roidecode), and
-    the count reads every byte (~90 us of a 110 KB image's ~1.2 ms). True: counted."""
+    the count reads every byte (~90 us of a 110 KB image's ~1.2 ms)."""
     if data[:2] == b"\xff\xd8" and data.count(b"\xff\xda") > tjlib.MAX_SCANS:  # SOS markers
         raise Image.DecompressionBombError(f"{path}: the JPEG has more than {tjlib.MAX_SCANS} scans")
-    return True
 
 
 def _finish(pixels: np.ndarray, v: CropPlan, out: np.ndarray) -> None:
