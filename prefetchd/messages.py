@@ -5,7 +5,7 @@ with every field always present. ``encode`` writes one, ``decode`` reads one and
 field by field (a [pipeline] callable that forks or prints can garble the pipe): anything
 else is a BadWorkerMessage, and the master replaces that worker.
 
-    master -> worker   Produce(epoch, step, rank)  |  Stop()
+    master -> worker   Produce(epoch, step, rank, spare)  |  Stop()
     worker -> master   Ready(fields)  |  BootFailed(error)
                        Heartbeat(samples, sample, io)  every HEARTBEAT_S, from a thread: ``samples``
                            counts the sample attempts that ended, so the master can tell a task
@@ -40,6 +40,7 @@ class Produce:
     epoch: int
     step: int
     rank: int
+    spare: bool  # a consumed batch's file waits at the worker's temporary path for this batch: overwrite it
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ _HOME = {
     "BatchFormatError": "errors",
     "BatchLayout": "batchfile",
     "BatchTimeout": "errors",
-    "BatchWriter": "batchfile",
+    "BatchWriter": "batchwriter",
     "DaemonDied": "errors",
     "FieldSpec": "batchfile",
     "JobNotRunning": "errors",

@@ -55,7 +55,8 @@ inside numpy's or torch's C code at the faulting load, and a Python handler runs
 bytecodes, after that code returns, which it never does. The only sure protection is copying
 every batch out of the file before use, the cost the zero-copy mapping exists to avoid. The
 job folder is 0700 and the files 0600, so no other user can do this; the daemon itself never
-truncates a published batch (it retires and unlinks it, which leaves a mapping intact).
+truncates a published batch, and overwrites a consumed one (as a spare for a later batch) only
+once no client holds its shared lock (``map_batch``).
 """
 
 from __future__ import annotations
@@ -156,94 +157,6 @@ class BatchLayout:
 
 def _meta_bytes(meta: dict) -> bytes:
     return json.dumps(meta, separators=(",", ":")).encode()
-
-
-class BatchBuffer:
-    """A batch laid out in memory exactly as in its file, header area included.
-
-    A worker keeps one and fills it for every batch: its pages are faulted in once, where
-    writing through a fresh mapping of each new file paid a page fault per 4 KiB and then
-    an unmap. Every field is overwritten by the next fill; the header area is cleared by
-    each write, so nothing of an earlier batch can leak into a later file.
-    """
-
-    def __init__(self, layout: BatchLayout):
-        self.layout = layout
-        self.data = np.zeros(layout.size, dtype=np.uint8)
-        self.arrays = {
-            f.name: self.data[o : o + f.nbytes].view(f.dtype).reshape(f.shape)
-            for f, o in zip(layout.fields, layout.offsets)
-        }
-
-    def seal(self, epoch: int, step: int, rank: int, meta: dict | None = None) -> memoryview:
-        """Write the header in front of the filled arrays; the whole file's bytes."""
-        header = self.layout.header_bytes(epoch, step, rank, meta)
-        view = memoryview(self.data)
-        view[: self.layout.data_start] = bytes(self.layout.data_start)  # no tail of a longer header
-        view[: len(header)] = header
-        return view
-
-
-class BatchWriter:
-    """Writes one batch file: the batch is filled in memory (``arrays``), then ``finish``
-    writes the header and the whole file with ``pwrite``.
-
-    The free space is checked first, so a full tmpfs fails here with ENOSPC and costs no
-    decoding. The file is never mapped for writing, so a filesystem that something else
-    fills meanwhile fails the write with ENOSPC, never kills the writer with SIGBUS. No
-    ``posix_fallocate``: on tmpfs it zeroes every page that the write then fills again,
-    2.2 of the 6.2 ms a 9.6 MB batch took to write. Pass a ``BatchBuffer`` to reuse its
-    memory across batches (one writer at a time per buffer).
-    """
-
-    def __init__(self, path: str | os.PathLike, layout: BatchLayout, buffer: BatchBuffer | None = None):
-        if buffer is not None and buffer.layout != layout:
-            raise ValueError("the buffer was planned for another layout")
-        self.layout = layout
-        self._buffer = buffer or BatchBuffer(layout)
-        self._fd = _create_with_room(path, layout.size)
-        self.arrays = self._buffer.arrays
-
-    def finish(self, epoch: int, step: int, rank: int, meta: dict | None = None) -> None:
-        _write_all(self._fd, self._buffer.seal(epoch, step, rank, meta))
-        self.close()
-
-    def close(self) -> None:
-        self.arrays = {}
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-
-
-def write_batch_file(path: str | os.PathLike, data) -> None:
-    """Write a batch made elsewhere (``data``: its whole file, as ``BatchBuffer.seal`` gives
-    it) to a new file, with BatchWriter's free-space check and ``pwrite``."""
-    fd = _create_with_room(path, len(data))
-    try:
-        _write_all(fd, memoryview(data).cast("B"))
-    finally:
-        os.close(fd)
-
-
-def _create_with_room(path: str | os.PathLike, size: int) -> int:
-    """A new file's descriptor; ENOSPC (and no file) when its filesystem lacks ``size`` bytes."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    try:
-        fs = os.fstatvfs(fd)
-        if fs.f_bavail * fs.f_frsize < size:
-            why = f"{os.strerror(errno.ENOSPC)}: a batch needs {size} bytes"
-            raise OSError(errno.ENOSPC, why, str(path))
-    except BaseException:
-        os.close(fd)
-        os.unlink(path)
-        raise
-    return fd
-
-
-def _write_all(fd: int, view: memoryview) -> None:
-    pos = 0
-    while pos < len(view):  # pwrite may write less than asked; ENOSPC raises OSError
-        pos += os.pwrite(fd, view[pos:], pos)
 
 
 DIGEST_KEY = "xxh3_64"  # the meta key of content_digest
@@ -436,13 +349,28 @@ def _open_regular_file(path: str | os.PathLike, pin: bool) -> tuple[int, os.stat
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:  # the daemon holds it this instant: it is freeing it
                 raise FileNotFoundError(errno.ENOENT, "batch is being retired", str(path)) from None
-        st = os.fstat(fd)  # one fstat, after the lock: the link count must be the locked file's
+        st = os.fstat(fd)  # after the lock: the identity must be the locked file's
         if not stat.S_ISREG(st.st_mode):
             raise _fail(f"{path} is not a regular file (mode {st.st_mode:o}); something other than prefetchd made it")
+        if pin and not _still_named(path, st):
+            raise FileNotFoundError(errno.ENOENT, "batch was retired", str(path))
     except BaseException:
         os.close(fd)
         raise
     return fd, st
+
+
+def _still_named(path: str | os.PathLike, st: os.stat_result) -> bool:
+    """Whether ``path`` still leads to the file ``st`` describes. Checked under the shared lock:
+    the daemon may have retired the file between our open and our lock, and once no client
+    locked it, freed it or handed it to a worker as a spare to overwrite with another batch
+    (prefetchd.master.retire). It takes a file back only under an exclusive lock, so a file
+    still named here after our lock stays this batch for as long as we hold it."""
+    try:
+        now = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    return (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev)
 
 
 def map_batch(
@@ -456,17 +384,17 @@ def map_batch(
     ``pin`` takes a shared ``flock`` on the file for as long as the map lives (the mmap keeps
     a duplicate of the descriptor, and a flock belongs to the open file, so the lock goes
     when the last array over this map is freed). The daemon tries an exclusive lock before
-    it frees a consumed batch: a file still mapped keeps counting against the byte bound.
-    A file the daemon has already retired raises FileNotFoundError, like a missing one; a
-    symlink, FIFO or anything else but a regular file raises BatchFormatError, at once.
+    it frees or reuses a consumed batch's file: a file still mapped keeps counting against
+    the byte bound, and is never overwritten. A file the daemon has already retired raises
+    FileNotFoundError, like a missing one; a symlink, FIFO or anything else but a regular
+    file raises BatchFormatError, at once. Map a file a daemon serves only with ``pin``:
+    unpinned, its pages may be overwritten by a later batch under the map.
 
     ``unmap_in_background``: once the arrays are freed, the mapping is closed on a background
     thread (prefetchd_client.unmapper), not in the thread that dropped the last of them.
     """
     fd, st = _open_regular_file(path, pin)
     try:
-        if pin and st.st_nlink == 0:  # freed between our open and our lock
-            raise FileNotFoundError(errno.ENOENT, "batch was retired", str(path))
         size = st.st_size
         if size < PREAMBLE.size:
             raise _fail(f"{path}: {size} bytes, shorter than the {PREAMBLE.size}-byte preamble")

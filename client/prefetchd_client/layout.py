@@ -12,7 +12,8 @@ environment finds a job by its name alone::
       progress/rank-<r>  "<epoch> <step>": the next batch rank r will read (rank-<r>.<consumer>:
                          a named consumer's, one of several trainers reading the job)
       batches/           finished batches, e<epoch>-s<step>-r<rank>.batch
-      tmp/               batches being written
+      tmp/               batches being written; spare-<n>: consumed batches' files, kept to be
+                         overwritten by later ones
       retired/           consumed batches a client may still map (freed once unmapped)
       trainers/rank-<r>  flock held (shared) by every live loader of rank r (rank-<r>.<consumer>)
 
@@ -169,6 +170,11 @@ class JobPaths:
         parses (sys.intern), and a new name a batch made the interpreter grow its table of
         interned strings again and again (a daemon's heap ~1 MB more every ~10k batches)."""
         return f"{self.dir}/{BATCH_DIR}/{batch_name(epoch, step, rank)}"
+
+    def tmp_file(self, epoch: int, step: int, rank: int, pid: int) -> str:
+        """Where process ``pid`` writes a batch before publishing it (the master sweeps a dead
+        writer's files by the ``.<pid>`` suffix, and leaves a spare there for it to overwrite)."""
+        return f"{self.dir}/{TMP_DIR}/{batch_name(epoch, step, rank)}.{pid}"
 
     @property
     def retired_dir(self) -> Path:

@@ -15,7 +15,10 @@ from .ranks import format_ranks, parse_ranks
 _MAX_MANIFEST_BYTES = 1 << 20
 # The manifest's own format. The daemon (package prefetchd) writes it and the client (package
 # prefetchd-client) reads it; they are installed separately, so a client checks it first.
-MANIFEST_VERSION = 3  # 2: "ranks", the ranks a daemon serves; 3: position reports carry the trainer's waits
+# 2: "ranks", the ranks a daemon serves; 3: position reports carry the trainer's waits; 4: the
+# daemon reuses consumed batch files, so a reader checks that the name still leads to the file
+# it locked (an older client would not).
+MANIFEST_VERSION = 4
 _CURVE_KEY_CHARS = 40  # a CURVE public key in Z85 text
 
 

@@ -11,7 +11,8 @@ import torch
 
 from prefetchd.bench.common import CLIENT_BATCH, rotated, touch
 from prefetchd.bench.run import Run
-from prefetchd_client.batchfile import BatchLayout, BatchWriter, FieldSpec, map_batch
+from prefetchd_client.batchfile import BatchLayout, FieldSpec, map_batch
+from prefetchd_client.batchwriter import BatchWriter
 
 
 def measure_client(run: Run, results: dict) -> None:

@@ -97,7 +97,8 @@ def _job(s: dict, live: bool):
     yield Text(
         f"  pid {s['pid']}, up {s['uptime_s']:.0f} s; buffer {format_size(b['used_bytes'])} / "
         f"{format_size(b['bound_bytes'])} (files {format_size(b['files_bytes'])}, "
-        f"peak {format_size(b['peak_bytes'])}, {b['pinned_batches']} consumed still mapped)\n"
+        f"peak {format_size(b['peak_bytes'])}, {b['pinned_batches']} consumed still mapped, "
+        f"{b.get('spare_batches', 0)} spare)\n"
         f"  batch {format_size(b['batch_bytes'])}, "
         f"window {b['window_per_rank']} batches per rank; ranks {s['served_ranks']} of {s['world_size']}"
         + (f"; index {s['index']['samples']:,} samples, {format_size(s['index']['bytes'])}" if "index" in s else "")

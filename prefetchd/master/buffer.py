@@ -31,7 +31,7 @@ class Buffer:
         self.job, self.paths, self.plan = job, job.paths, job.plan
         self.layout = layout
         self.scheduler = Scheduler(job.config.served_ranks, capacity, job.config.retain)
-        self.retired = RetiredBatches(job.paths.retired_dir)
+        self.retired = RetiredBatches(job.paths.retired_dir, job.paths.tmp_dir)
         self.deleted = 0
         self.peak_bytes = 0
         self._next_retired_check = 0.0
@@ -40,8 +40,15 @@ class Buffer:
 
     @property
     def used_bytes(self) -> int:
-        """Bytes of the bound in use: batches ready or being written, and retired ones still mapped."""
-        return self.scheduler.held * self.layout.size + self.retired.pinned_bytes
+        """Bytes of the bound in use: batches ready or being written, retired ones still mapped,
+        and spares (consumed batches' files waiting to be overwritten)."""
+        return (self.scheduler.held + self.retired.spares) * self.layout.size + self.retired.pinned_bytes
+
+    def take_spare(self, path: str) -> bool:
+        """Put a spare at ``path`` for the task about to start, if there is one. Every task
+        started takes one when there is one: spares fill slots of the bound that no batch
+        holds (``_fit_spares``), and a task that takes one keeps the bytes in use the same."""
+        return self.retired.take_spare(path)
 
     def note_peak(self) -> None:
         self.peak_bytes = max(self.peak_bytes, self.used_bytes)
@@ -76,9 +83,11 @@ class Buffer:
         return True
 
     def free_retired(self, now: float, sweep: bool = False) -> None:
-        """Free the retired batches no client maps any more (a few times a second)."""
-        if not sweep and (not self.retired.pinned or now < self._next_retired_check):
+        """Free the retired batches no client maps any more, and the spares no task took (a few
+        times a second)."""
+        if not sweep and (not (self.retired.pinned or self.retired.spares) or now < self._next_retired_check):
             return
+        self.retired.drop_idle_spares(now)
         self._next_retired_check = now + _RETIRED_CHECK_S
         if sweep:
             self.retired.sweep()
@@ -90,6 +99,7 @@ class Buffer:
         # A mapped batch holds its pages: whole slots of the bound stay taken until it goes.
         sched = self.scheduler
         sched.reserved = -(-self.retired.pinned_bytes // self.layout.size)
+        self._fit_spares()
         self.note_peak()
         if sched.held < sched.capacity <= sched.held + sched.reserved and now >= self._next_pinned_warning:
             self._next_pinned_warning = now + _PINNED_WARNING_S
@@ -99,6 +109,14 @@ class Buffer:
                 len(self.retired.pinned),
                 format_size(self.retired.pinned_bytes),
             )
+
+    def _fit_spares(self) -> None:
+        """Spares only fill slots of the bound that nothing else takes (the scheduler counts
+        batches and pinned slots, not spares): free those past it (a leftover adopted, a
+        smaller bound than the last daemon's)."""
+        sched = self.scheduler
+        while self.retired.spares and sched.held + sched.reserved + self.retired.spares > sched.capacity:
+            self.retired.drop_spare()
 
     def adopt_leftovers(self) -> None:
         """Keep the valid batches a previous daemon of this job left; delete the rest.
@@ -116,6 +134,7 @@ class Buffer:
             os.unlink(entry.path)
             dropped += 1
         self.scheduler.start_at_adopted()
+        self._fit_spares()
         if kept or dropped:
             log.info("kept %d batches from a previous daemon, deleted %d", kept, dropped)
         if kept:

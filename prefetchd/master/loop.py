@@ -258,9 +258,11 @@ class Master:
                     return  # its slot is still mapped by a client: freed within a tick
             if not self.retries.may_start(task, now):
                 return  # the most urgent batch is backing off after a failure
-            if self.job.plan.unlinear(task[1])[0] > MAX_EPOCH:  # past the last epoch a batch name can hold
+            epoch, step = self.job.plan.unlinear(task[1])
+            if epoch > MAX_EPOCH:  # past the last epoch a batch name can hold
                 return
-            if self.pool.send_task(slot, *task):
+            spare = self.buffer.take_spare(self.paths.tmp_file(epoch, step, task[0], slot.pid))
+            if self.pool.send_task(slot, *task, spare):
                 scheduler.task_started(*task)
                 busy += slot.kind == "local"
                 on_ray += slot.kind == "ray"
@@ -283,6 +285,7 @@ class Master:
             # Before the manifest goes: a trainer that finds no manifest finds stopped.json.
             left_why = self.jobdir.write_stopped(self.stop_reason)
         if self.keep:
+            self.buffer.retired.drop_spares()
             self.paths.manifest.unlink(missing_ok=True)
             self.paths.socket.unlink(missing_ok=True)
         elif failed:  # free the tmpfs, but keep the log and stopped.json that say why (`prefetchd stop` removes them)

@@ -246,11 +246,12 @@ class WorkerPool:
         self.ray_lost = why
         slot.process.kill()
 
-    def send_task(self, slot: WorkerSlot, rank: int, index: int) -> bool:
-        """Hand ``slot`` its task; False when its worker is dying (the master replaces it)."""
+    def send_task(self, slot: WorkerSlot, rank: int, index: int, spare: bool) -> bool:
+        """Hand ``slot`` its task (``spare``: a file waits at its temporary path for it); False
+        when its worker is dying (the master replaces it, and bury sweeps the file)."""
         epoch, step = self.job.plan.unlinear(index)
         try:
-            slot.conn.send_bytes(messages.encode(messages.Produce(epoch=epoch, step=step, rank=rank)))
+            slot.conn.send_bytes(messages.encode(messages.Produce(epoch=epoch, step=step, rank=rank, spare=spare)))
         except OSError:
             return False
         slot.task = (rank, index)

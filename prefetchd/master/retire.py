@@ -9,8 +9,18 @@ client holds a shared flock on a batch file for as long as its map lives
 (``prefetchd_client.batchfile.map_batch``). Until then the file's blocks, as the
 filesystem reports them, count against the bound.
 
+A freed file is not unlinked at once: it is kept as a *spare* in ``tmp/`` (``spare-<n>``),
+handed to the next task's worker to overwrite with a later batch. Writing a batch into pages a
+file already has costs a quarter of allocating and zeroing new ones, and the master saves the
+unlink (docs/benchmarks.md). Spares count against the bound like batches (the buffer keeps no
+more than fit beside them) and a spare no task took for ``SPARE_IDLE_S`` is unlinked, so a
+buffer that stops refilling (an idle job, the end of the plan) gives its memory back. A file is
+taken back only under the exclusive lock, so no client maps it then; a client that opened it by
+its old name before and locks it after finds the name no longer leads to it
+(``prefetchd_client.batchfile._still_named``).
+
 A daemon killed with retired files keeps nothing in memory: the next one finds them in
-``retired/`` and treats them the same way.
+``retired/`` and treats them the same way (its spares went with ``tmp/``).
 """
 
 from __future__ import annotations
@@ -22,11 +32,19 @@ import os
 import time
 from pathlib import Path
 
+SPARE_PREFIX = "spare-"  # no ".<pid>" suffix: the pool sweeps a dead writer's files by that
+# Long enough to carry spares across a burst (files freed together, by one check of the pinned
+# ones or a seek, and taken as workers come free), short enough to free an idle job's memory.
+SPARE_IDLE_S = 2.0
+
 
 class RetiredBatches:
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, spare_folder: Path, keep_spares: bool = True):
         self.folder = folder
         self.pinned: dict[str, int] = {}  # name in retired/ -> bytes allocated on the filesystem
+        self.keep_spares = keep_spares
+        self._spares: list[tuple[str, float]] = []  # (path, when freed) of each spare, oldest first
+        self._spare_prefix = os.path.join(os.fspath(spare_folder), SPARE_PREFIX)
         # A batch can be consumed twice (made again after a backward seek) while its first copy
         # is still mapped: names get a sequence number so no retired file ever replaces another.
         self._sequence = itertools.count(time.time_ns())
@@ -45,6 +63,38 @@ class RetiredBatches:
             return False
         self._try_free(target)
         return True
+
+    @property
+    def spares(self) -> int:
+        return len(self._spares)
+
+    def take_spare(self, path: str) -> bool:
+        """Move the newest spare to ``path``, where a writer will overwrite it; False when there
+        is none."""
+        while self._spares:
+            try:
+                os.rename(self._spares.pop()[0], path)
+                return True
+            except FileNotFoundError:  # removed by hand: not ours to count any more
+                continue
+        return False
+
+    def drop_spare(self) -> None:
+        """Free the oldest spare."""
+        try:
+            os.unlink(self._spares.pop(0)[0])
+        except FileNotFoundError:
+            pass
+
+    def drop_spares(self) -> None:
+        """Free every spare (a daemon that stops and keeps its batches keeps no spares)."""
+        while self._spares:
+            self.drop_spare()
+
+    def drop_idle_spares(self, now: float) -> None:
+        """Free the spares no task took for SPARE_IDLE_S (``now``: time.monotonic())."""
+        while self._spares and now - self._spares[0][1] > SPARE_IDLE_S:
+            self.drop_spare()
 
     def sweep(self) -> int:
         """Free every retired file no client maps any more; returns the bytes still pinned."""
@@ -82,9 +132,14 @@ class RetiredBatches:
             except BlockingIOError:
                 self.pinned[name] = os.fstat(fd).st_blocks * 512
                 return False
-            # Unlinked while we hold the lock: a reader that opened the file before the rename
-            # and locks after us sees st_nlink == 0 and treats the batch as gone.
-            os.unlink(path)
+            # Taken back while we hold the lock: a reader that opened the file before the rename
+            # and locks after us finds that the batch's name no longer leads to it.
+            if self.keep_spares:
+                spare = f"{self._spare_prefix}{next(self._sequence)}"
+                os.rename(path, spare)
+                self._spares.append((spare, time.monotonic()))
+            else:
+                os.unlink(path)
             self.pinned.pop(name, None)
             return True
         finally:

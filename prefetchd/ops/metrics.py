@@ -26,10 +26,10 @@ METRICS: tuple[tuple[str, str, tuple[str, ...], str], ...] = (
     ("prefetchd_up", "gauge", (), "1: the daemon's loop answered this scrape"),
     ("prefetchd_uptime_seconds", "gauge", (), "seconds since `prefetchd start` began"),
     ("prefetchd_buffer_bound_bytes", "gauge", (), "the byte bound, --buffer"),
-    ("prefetchd_buffer_used_bytes", "gauge", (), "bytes of the bound in use: ready + in_flight + pinned"),
+    ("prefetchd_buffer_used_bytes", "gauge", (), "bytes of the bound in use: ready + in_flight + pinned + spare"),
     ("prefetchd_buffer_bytes", "gauge", ("state",),
      "bytes by state: ready (batches waiting to be read), in_flight (being written), pinned (consumed but "
-     "still mapped by a client)"),
+     "still mapped by a client), spare (consumed files kept to be overwritten by the next batches)"),
     ("prefetchd_buffer_peak_bytes", "gauge", (), "the most bytes in use since the start"),
     ("prefetchd_buffer_files_bytes", "gauge", (), "bytes the batch files hold on the tmpfs (measured, every 0.5 s)"),
     ("prefetchd_batch_bytes", "gauge", (), "bytes of one batch file"),
@@ -88,6 +88,7 @@ def families(snapshot: dict) -> list[Metric]:
     put("prefetchd_buffer_bytes", sum(r["ready"] for r in ranks) * batch, "ready")
     put("prefetchd_buffer_bytes", sum(r["in_flight"] for r in ranks) * batch, "in_flight")
     put("prefetchd_buffer_bytes", buffer["pinned_bytes"], "pinned")
+    put("prefetchd_buffer_bytes", buffer["spare_batches"] * batch, "spare")
     put("prefetchd_buffer_peak_bytes", buffer["peak_bytes"])
     put("prefetchd_buffer_files_bytes", buffer["files_bytes"])
     put("prefetchd_batch_bytes", batch)

@@ -87,6 +87,7 @@ def job_status(m) -> dict:  # m: the prefetchd.master.loop.Master, which imports
             "files_bytes": buffer.files_bytes(now),
             "pinned_batches": len(buffer.retired.pinned),
             "pinned_bytes": buffer.retired.pinned_bytes,
+            "spare_batches": buffer.retired.spares,  # consumed batches' files kept to be overwritten
             "peak_bytes": buffer.peak_bytes,
             "batch_bytes": buffer.layout.size,
             "window_per_rank": buffer.scheduler.window,

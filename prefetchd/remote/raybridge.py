@@ -19,6 +19,7 @@ alive node with the resources, a node that decodes otherwise), the bridge says w
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -32,10 +33,11 @@ import numpy as np
 from prefetchd.messages import BootFailed, Done, ExecutorLost, Failed, Produce, Ready, decode, encode
 from prefetchd.remote import rayaddress, raycluster, rayinstance, rayresults, raytask
 from prefetchd.workers import kernel
-from prefetchd.workers.producer import BatchProducer, SampleProgress, publish, tmp_path
+from prefetchd.workers.producer import BatchProducer, SampleProgress, publish
 from prefetchd.workers.spec import ProducerSpec, why_not_this_batch
 from prefetchd.workers.worker import _send, _send_heartbeats
-from prefetchd_client.batchfile import BatchFormatError, read_batch, write_batch_file
+from prefetchd_client.batchfile import BatchFormatError, read_batch
+from prefetchd_client.batchwriter import write_batch_file
 
 _NODE_CHECK_S = 2.0  # how often the bridge asks Ray whether a node can still run the tasks
 _LOST_AFTER_S = 10.0  # how long the cluster may be unusable before the bridge gives it up
@@ -147,6 +149,9 @@ class Bridge:
                 decode(encode(result))  # a report a Ray node got wrong fails this batch, not the bridge's pipe
             except Exception:
                 result = Failed(task.epoch, task.step, task.rank, traceback.format_exc(limit=-4), False, False)
+            finally:  # the spare the master left for a batch that was not written (a failed Ray task)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.local.paths.tmp_file(task.epoch, task.step, task.rank, os.getpid()))
             _send(conn, result)
 
     def _make(self, task: Produce, progress: SampleProgress) -> Done | Failed:
@@ -179,23 +184,18 @@ class Bridge:
         if why is not None:
             return Failed(e, k, r, f"a batch from Ray is not e{e} s{k} r{r} of this job ({why})", False, False)
         try:
-            published = self._publish(data, e, k, r)
+            published = self._publish(data, e, k, r, task.spare)
         except OSError as exc:
             full = exc.errno in (errno.ENOSPC, errno.EDQUOT)  # the master backs off until space returns
             return Failed(e, k, r, str(exc) if full else traceback.format_exc(limit=-4), False, full)
         return Done(e, k, r, published, report["per_source"], report["replaced"], report["longest_bad_run"])
 
-    def _publish(self, data, e: int, k: int, r: int) -> bool:
-        """As a local worker publishes: a whole file in tmp/, then a link that fails if the batch is there."""
-        tmp = tmp_path(self.local.paths, e, k, r)
-        try:
-            write_batch_file(tmp, data)
-            return publish(self.local.paths, tmp, e, k, r)
-        finally:
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
+    def _publish(self, data, e: int, k: int, r: int, spare: bool) -> bool:
+        """As a local worker publishes: a whole file in tmp/ (over the spare the master left
+        there, if it did), then a link that fails if the batch is there."""
+        tmp = self.local.paths.tmp_file(e, k, r, os.getpid())
+        write_batch_file(tmp, data, spare=spare)
+        return publish(self.local.paths, tmp, e, k, r)  # the relay removes the temporary name
 
     # -- losing the cluster ----------------------------------------------------------------
 

@@ -29,14 +29,9 @@ from prefetchd.sources.places import FILE
 from prefetchd.sources.samplereader import SampleReader
 from prefetchd.workers.spec import ProducerSpec, builtin_fields, id_fields, plan_layout
 from prefetchd.workers.transforms import ImagePipeline
-from prefetchd_client.batchfile import (
-    DIGEST_KEY,
-    BatchBuffer,
-    BatchWriter,
-    FieldSpec,
-    content_digest,
-)
-from prefetchd_client.layout import JobPaths, batch_name
+from prefetchd_client.batchfile import DIGEST_KEY, FieldSpec, content_digest
+from prefetchd_client.batchwriter import BatchBuffer, BatchWriter
+from prefetchd_client.layout import JobPaths
 from prefetchd_client.text import printable
 
 
@@ -95,12 +90,6 @@ class SampleProgress:
     finished: int = 0
     current: tuple[int, str] | None = None  # (sample id, path) being made: named when it hangs
     io: Callable[[], dict] = dict  # each object store's counters (SampleReader.io_totals), once a producer runs
-
-
-def tmp_path(paths: JobPaths, epoch: int, step: int, rank: int) -> Path:
-    """Where this process writes a batch before publishing it: ``tmp/<batch>.<pid>`` (the pool
-    sweeps a dead writer's files by that suffix)."""
-    return paths.tmp_dir / f"{batch_name(epoch, step, rank)}.{os.getpid()}"
 
 
 def publish(paths: JobPaths, tmp: Path, epoch: int, step: int, rank: int) -> bool:
@@ -335,15 +324,16 @@ class BatchProducer:
         self.progress.current = None
         return digest.hexdigest()[:16]
 
-    def produce(self, epoch: int, step: int, rank: int) -> tuple[bool, FillReport]:
-        """Write batch (epoch, step, rank) into the buffer.
+    def produce(self, epoch: int, step: int, rank: int, spare: bool = False) -> tuple[bool, FillReport]:
+        """Write batch (epoch, step, rank) into the buffer; ``spare``: over the consumed batch's
+        file the master left at this process's temporary path for it.
 
         Returns (published, report); published is False if the batch was already there.
         """
-        tmp = tmp_path(self.paths, epoch, step, rank)
+        tmp = self.paths.tmp_file(epoch, step, rank, os.getpid())
         if self._buffer is None:
             self._buffer = BatchBuffer(self.layout)
-        writer = BatchWriter(tmp, self.layout, self._buffer)
+        writer = BatchWriter(tmp, self.layout, self._buffer, spare=spare)
         try:
             report = self.fill(writer.arrays, epoch, step, rank)
             writer.finish(epoch, step, rank, self.meta(writer.arrays, report))

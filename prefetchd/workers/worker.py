@@ -107,7 +107,7 @@ def _produce(producer: BatchProducer, task: Produce) -> Done | Failed:
     """Make the batch; its report, or why it failed (the worker lives on either way)."""
     e, k, r = task.epoch, task.step, task.rank
     try:
-        published, report = producer.produce(e, k, r)
+        published, report = producer.produce(e, k, r, task.spare)
         return Done(e, k, r, published, report.per_source, report.replaced, report.longest_bad_run)
     except SampleError as exc:
         return Failed(e, k, r, str(exc), sample=True, nospace=False)

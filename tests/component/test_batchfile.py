@@ -14,15 +14,14 @@ from prefetchd_client.batchfile import (
     MAGIC,
     PREAMBLE,
     VERSION,
-    BatchBuffer,
     BatchFormatError,
     BatchLayout,
-    BatchWriter,
     FieldSpec,
     content_digest,
     map_batch,
     parse_header,
 )
+from prefetchd_client.batchwriter import BatchBuffer, BatchWriter
 
 FIELDS = [
     FieldSpec("image", "uint8", (2, 4, 4, 3)),

@@ -12,7 +12,7 @@ from prefetchd.messages import BadWorkerMessage, BootFailed, Done, Failed, Heart
 from prefetchd.workers.spec import SPEC_VERSION, ProducerSpec, SpecMismatch
 
 EVERY_MESSAGE = [
-    Produce(epoch=1, step=2, rank=3),
+    Produce(epoch=1, step=2, rank=3, spare=True),
     Stop(),
     Ready(fields=[{"name": "image", "dtype": "uint8", "shape": [4, 8, 8, 3]}]),
     BootFailed(error="Traceback ...\nImportError: no module named x"),

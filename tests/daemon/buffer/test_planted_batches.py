@@ -24,10 +24,10 @@ from prefetchd_client.batchfile import (
     VERSION,
     BatchFormatError,
     BatchLayout,
-    BatchWriter,
     FieldSpec,
     map_batch,
 )
+from prefetchd_client.batchwriter import BatchWriter
 from prefetchd_client.layout import batch_name
 from tests.conftest import wait_until, write_config
 

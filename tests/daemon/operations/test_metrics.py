@@ -85,7 +85,8 @@ def test_a_scrape_is_the_status_snapshot_and_moves_as_a_trainer_reads(tmp_path, 
         for sample in family.samples:
             assert sample.labels.keys() == LABELS[name], (name, sample.labels)
             assert sample.labels["job"] == "met"
-    assert {s.labels["state"] for s in first["prefetchd_buffer_bytes"].samples} == {"ready", "in_flight", "pinned"}
+    states = {s.labels["state"] for s in first["prefetchd_buffer_bytes"].samples}
+    assert states == {"ready", "in_flight", "pinned", "spare"}
     assert value(first, "prefetchd_up") == 1
     assert value(first, "prefetchd_buffer_bound_bytes") == 1 << 20
 
@@ -137,6 +138,7 @@ def snapshot(ranks: list[dict]) -> dict:
             "used_bytes": 700,
             "files_bytes": 700,
             "pinned_bytes": 100,
+            "spare_batches": 2,
             "peak_bytes": 800,
             "batch_bytes": 100,
         },
@@ -175,6 +177,7 @@ def test_trainer_waits_are_series_only_for_ranks_that_report_them():
     assert [s.labels["rank"] for s in found["prefetchd_rank_batches_ahead"].samples] == ["0", "1", "2"]
     assert value(found, "prefetchd_buffer_bytes", state="ready") == 900  # 3 ranks x 3 batches x 100 bytes
     assert value(found, "prefetchd_buffer_bytes", state="pinned") == 100
+    assert value(found, "prefetchd_buffer_bytes", state="spare") == 200
     assert value(found, "prefetchd_refused_total", kind="message") == 0  # there before the first refusal
     assert value(found, "prefetchd_worker_restarts_total") == 4
 

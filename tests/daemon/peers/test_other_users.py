@@ -37,7 +37,8 @@ pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("cross_user")]
 _PLANT_JOB = r"""
 import fcntl, json, os, sys
 import zmq
-from prefetchd_client.batchfile import BatchLayout, BatchWriter, FieldSpec
+from prefetchd_client.batchfile import BatchLayout, FieldSpec
+from prefetchd_client.batchwriter import BatchWriter
 
 root, alice_pid = sys.argv[1], int(sys.argv[2])
 job = os.path.join(root, "job")
