@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 import sys
 
 from prefetchd.errors import DaemonStop, UserError
@@ -74,15 +73,3 @@ def log_start_failure(exc: BaseException) -> None:
         log.error("start-up failed on an internal error", exc_info=exc)
     else:
         log.error("start-up interrupted (%s)", type(exc).__name__)
-
-
-def raise_descriptor_limit() -> None:
-    """Raise the soft limit on open files to the hard one: peers' connections (each a
-    descriptor) must not run the master out of them at the common soft limit of 1,024."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != hard:
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        except (ValueError, OSError):
-            return
-        log.info("open-file limit raised from %d to %d", soft, hard)

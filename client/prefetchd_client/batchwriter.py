@@ -91,9 +91,10 @@ def write_batch_file(path: str | os.PathLike, data, *, spare: bool = False) -> N
 
 def open_spare(path: str | os.PathLike, size: int) -> int:
     """A descriptor for overwriting the spare file at ``path``: a regular file of ``size``
-    bytes, whose pages the write reuses. Anything else there (gone, another size, not a regular
-    file: the daemon's folder is ours, so only a bug or a hand could put it there) is removed
-    and a new file made in its place, with the free-space check."""
+    bytes with no other name, whose pages the write reuses. Anything else there (gone, another
+    size, a second name that could lead out of the job folder, a symlink or a FIFO: the daemon's
+    folder is ours, so only a bug or a hand could put it there) is removed and a new file made
+    in its place, with the free-space check; a folder fails the batch, as it fails a create."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
@@ -103,7 +104,7 @@ def open_spare(path: str | os.PathLike, size: int) -> int:
             raise
     else:
         st = os.fstat(fd)
-        if stat.S_ISREG(st.st_mode) and st.st_size == size:
+        if stat.S_ISREG(st.st_mode) and st.st_size == size and st.st_nlink == 1:
             return fd
         os.close(fd)
     os.unlink(path)

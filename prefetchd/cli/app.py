@@ -14,7 +14,7 @@ from typing import Annotated, Optional
 import typer
 from rich.markup import escape
 
-from prefetchd import control, settings
+from prefetchd import control, openfiles, settings
 from prefetchd.cli.quickexit import exit_now
 from prefetchd.cli.summary import start_summary
 from prefetchd.cli.terminal import bounded, err, literal, out, progress
@@ -147,9 +147,11 @@ def start(
 
     overrides = {s.option: flags[s.option] for s in settings.SETTINGS} | {"data": data}
     try:
+        openfiles.ensure()  # listing the data takes descriptors: the least a daemon needs, first
         from prefetchd.config import load_config  # numpy, Pillow: only `start` needs them
 
         cfg = load_config(config, overrides)
+        openfiles.ensure(cfg)
         paths = _job_paths(cfg.name, root)
         if cfg.endpoint == "ipc":
             _check_ipc_path(paths)

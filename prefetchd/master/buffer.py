@@ -31,7 +31,7 @@ class Buffer:
         self.job, self.paths, self.plan = job, job.paths, job.plan
         self.layout = layout
         self.scheduler = Scheduler(job.config.served_ranks, capacity, job.config.retain)
-        self.retired = RetiredBatches(job.paths.retired_dir, job.paths.tmp_dir)
+        self.retired = RetiredBatches(job.paths.retired_dir, job.paths.tmp_dir, layout.size)
         self.deleted = 0
         self.peak_bytes = 0
         self._next_retired_check = 0.0
@@ -135,6 +135,7 @@ class Buffer:
             dropped += 1
         self.scheduler.start_at_adopted()
         self._fit_spares()
+        self.note_peak()
         if kept or dropped:
             log.info("kept %d batches from a previous daemon, deleted %d", kept, dropped)
         if kept:

@@ -25,10 +25,13 @@ A daemon killed with retired files keeps nothing in memory: the next one finds t
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import itertools
 import os
+import shutil
+import stat
 import time
 from pathlib import Path
 
@@ -39,10 +42,11 @@ SPARE_IDLE_S = 2.0
 
 
 class RetiredBatches:
-    def __init__(self, folder: Path, spare_folder: Path, keep_spares: bool = True):
+    def __init__(self, folder: Path, spare_folder: Path, spare_size: int, keep_spares: bool = True):
         self.folder = folder
         self.pinned: dict[str, int] = {}  # name in retired/ -> bytes allocated on the filesystem
         self.keep_spares = keep_spares
+        self.spare_size = spare_size  # a batch file's: a file of any other size is no spare
         self._spares: list[tuple[str, float]] = []  # (path, when freed) of each spare, oldest first
         self._spare_prefix = os.path.join(os.fspath(spare_folder), SPARE_PREFIX)
         # A batch can be consumed twice (made again after a backward seek) while its first copy
@@ -72,11 +76,16 @@ class RetiredBatches:
         """Move the newest spare to ``path``, where a writer will overwrite it; False when there
         is none."""
         while self._spares:
+            spare = self._spares.pop()[0]
             try:
-                os.rename(self._spares.pop()[0], path)
+                os.rename(spare, path)
                 return True
             except FileNotFoundError:  # removed by hand: not ours to count any more
                 continue
+            except OSError:  # something planted at ``path`` (a folder): the writer's own create fails on it
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(spare)
+                return False
         return False
 
     def drop_spare(self) -> None:
@@ -111,11 +120,15 @@ class RetiredBatches:
     def _try_free(self, path: str | Path) -> bool:
         name = os.path.basename(path)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            # A name in retired/ may have been planted (a dead daemon's folder, reused): never
+            # followed, never waited on (a FIFO), and anything but a batch file is only removed.
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except FileNotFoundError:
             self.pinned.pop(name, None)
             return True
         except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a symlink: the link goes, never what it points to
+                return self._remove(path)
             if exc.errno not in (errno.EMFILE, errno.ENFILE):
                 raise
             # Out of descriptors: count it as pinned (its blocks, read without a descriptor) and
@@ -127,20 +140,42 @@ class RetiredBatches:
                 return True
             return False
         try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return self._remove(path)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                self.pinned[name] = os.fstat(fd).st_blocks * 512
+                self.pinned[name] = st.st_blocks * 512
                 return False
             # Taken back while we hold the lock: a reader that opened the file before the rename
-            # and locks after us finds that the batch's name no longer leads to it.
-            if self.keep_spares:
-                spare = f"{self._spare_prefix}{next(self._sequence)}"
-                os.rename(path, spare)
-                self._spares.append((spare, time.monotonic()))
-            else:
+            # and locks after us finds that the batch's name no longer leads to it. Only a file
+            # of one batch's size with no other name becomes a spare: a worker overwrites it,
+            # and a second name could lead out of the job folder (a hard link planted here).
+            if not (self.keep_spares and st.st_nlink == 1 and st.st_size == self.spare_size and self._keep(path)):
                 os.unlink(path)
             self.pinned.pop(name, None)
             return True
         finally:
             os.close(fd)
+
+    def _keep(self, path: str | Path) -> bool:
+        """Make the freed file at ``path`` a spare; False when its spare name cannot be had."""
+        spare = f"{self._spare_prefix}{next(self._sequence)}"
+        try:
+            os.rename(path, spare)
+        except OSError:  # something planted under that name (a folder): this file is unlinked instead
+            return False
+        self._spares.append((spare, time.monotonic()))
+        return True
+
+    def _remove(self, path: str | Path) -> bool:
+        """Remove what is not a batch file (a symlink, a FIFO, a folder) from retired/."""
+        self.pinned.pop(os.path.basename(path), None)
+        try:
+            os.unlink(path)
+        except IsADirectoryError:
+            shutil.rmtree(path, ignore_errors=True)  # never follows a symlink inside
+        except FileNotFoundError:
+            pass
+        return True

@@ -5,15 +5,16 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import time
 from collections.abc import Callable
 
 import zmq
 
-from prefetchd import control, stopsignals
+from prefetchd import control, openfiles, stopsignals
 from prefetchd.config import Config
 from prefetchd.errors import JobError, start_failure
-from prefetchd.logsetup import log_start_failure, log_to, raise_descriptor_limit
+from prefetchd.logsetup import log_start_failure, log_to
 from prefetchd.master.buffer import Buffer
 from prefetchd.master.intake import PeerIntake
 from prefetchd.master.job import build_job, fit_layout, write_manifest
@@ -48,6 +49,7 @@ def start_master(
     clock = clock or StartClock()
     started_at = time.time()  # status's uptime and the manifest's started_at count the start-up too
     stopsignals.check_starting()  # here and between the steps below: a stop that came undoes the start
+    raised_from = openfiles.ensure(config)  # before anything is made: out of descriptors, nothing is undone
     jobdir = JobDir(paths)
     jobdir.note_existing()
     jobdir.acquire()  # raises without touching anything if another daemon runs
@@ -56,7 +58,8 @@ def start_master(
         context = zmq.Context()  # inside: a start that fails here still removes the folder it made
         jobdir.prepare()
         log_to(paths.log)
-        raise_descriptor_limit()
+        if raised_from is not None:
+            log.info("open-file limit raised from %d to %d", raised_from, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         log.info("starting job %s (pid %d): %s", paths.name, os.getpid(), json.dumps(config.to_json()))
         if config.metrics is not None:  # first: a port in use or a host that does not resolve costs nothing
             from prefetchd.ops.metrics_http import (

@@ -41,7 +41,7 @@ def publish(paths: JobPaths, step: int, fill: int, spare: bool = False, meta: di
 
 
 def test_a_freed_file_becomes_the_next_batch_in_place(paths):
-    retired = RetiredBatches(paths.retired_dir, paths.tmp_dir)
+    retired = RetiredBatches(paths.retired_dir, paths.tmp_dir, LAYOUT.size)
     first = publish(paths, 0, fill=200, meta={"note": "x" * 900})
     inode = os.stat(first).st_ino
     assert retired.retire(first)
@@ -57,7 +57,7 @@ def test_a_freed_file_becomes_the_next_batch_in_place(paths):
 
 
 def test_spares_no_task_takes_are_unlinked(paths):
-    retired = RetiredBatches(paths.retired_dir, paths.tmp_dir)
+    retired = RetiredBatches(paths.retired_dir, paths.tmp_dir, LAYOUT.size)
     for step in range(3):
         assert retired.retire(publish(paths, step, fill=step))
     assert retired.spares == 3 and len(os.listdir(paths.tmp_dir)) == 3
@@ -67,13 +67,13 @@ def test_spares_no_task_takes_are_unlinked(paths):
     assert retired.spares == 2
     retired.drop_idle_spares(time.monotonic() + SPARE_IDLE_S + 0.1)
     assert retired.spares == 0 and os.listdir(paths.tmp_dir) == []
-    unkept = RetiredBatches(paths.retired_dir, paths.tmp_dir, keep_spares=False)
+    unkept = RetiredBatches(paths.retired_dir, paths.tmp_dir, LAYOUT.size, keep_spares=False)
     assert unkept.retire(publish(paths, 5, fill=5))
     assert unkept.spares == 0 and os.listdir(paths.tmp_dir) == [] and os.listdir(paths.retired_dir) == []
 
 
 def test_a_mapped_batch_is_never_made_a_spare(paths):
-    retired = RetiredBatches(paths.retired_dir, paths.tmp_dir)
+    retired = RetiredBatches(paths.retired_dir, paths.tmp_dir, LAYOUT.size)
     path = publish(paths, 0, fill=77)
     _, arrays = map_batch(path)  # the shared lock lives with the map
     assert retired.retire(path)
@@ -90,7 +90,7 @@ def test_a_reader_that_opened_the_name_before_the_file_was_taken_back_finds_it_g
     """The race a spare opens: a reader opens batches/X, the daemon retires X and (no lock held
     yet) makes its file a spare, a worker starts writing another batch into it; then the reader's
     shared lock succeeds on a file with one link. It must see the name leads elsewhere."""
-    retired = RetiredBatches(paths.retired_dir, paths.tmp_dir)
+    retired = RetiredBatches(paths.retired_dir, paths.tmp_dir, LAYOUT.size)
     path = publish(paths, 0, fill=5)
     real_flock = batchfile.fcntl.flock
     taken = []
@@ -109,6 +109,58 @@ def test_a_reader_that_opened_the_name_before_the_file_was_taken_back_finds_it_g
     monkeypatch.setattr(batchfile.fcntl, "flock", real_flock)
     again = publish(paths, 1, fill=6, spare=True)
     assert map_batch(again)[0]["step"] == 1
+
+
+@pytest.mark.parametrize("what", ["symlink", "fifo", "folder", "hard link", "short", "long"])
+def test_what_is_planted_in_retired_is_removed_never_made_a_spare(paths, tmp_path, what):
+    """A daemon's start sweeps a dead one's retired/: a name there may be anything. None stops
+    the daemon, hangs it, or becomes a spare a worker would write through (a hard link to a file
+    outside the job folder would carry a batch there)."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"v" * LAYOUT.size)
+    planted = paths.retired_dir / "e000000-s00000000-r0000.batch.1"
+    if what == "symlink":
+        planted.symlink_to(victim)
+    elif what == "fifo":
+        os.mkfifo(planted)  # a plain open() would wait for a writer for ever
+    elif what == "folder":
+        planted.mkdir()
+        (planted / "inside").symlink_to(victim)
+    elif what == "hard link":
+        os.link(victim, planted)
+    else:
+        planted.write_bytes(b"x" * (LAYOUT.size // 2 if what == "short" else LAYOUT.size * 2))
+    retired = RetiredBatches(paths.retired_dir, paths.tmp_dir, LAYOUT.size)
+    assert retired.sweep() == 0
+    assert retired.spares == 0 and os.listdir(paths.retired_dir) == [] and os.listdir(paths.tmp_dir) == []
+    assert victim.read_bytes() == b"v" * LAYOUT.size
+
+
+def test_a_name_taken_where_a_spare_goes_costs_the_spare_not_the_daemon(paths):
+    retired = RetiredBatches(paths.retired_dir, paths.tmp_dir, LAYOUT.size)
+    retired._sequence = iter([1, 7, 2, 8])  # names in retired/ and spare names, in turn
+    os.mkdir(paths.tmp_dir / f"{SPARE_PREFIX}7")
+    assert retired.retire(publish(paths, 0, fill=1))  # unlinked instead: no spare name to be had
+    assert retired.spares == 0 and os.listdir(paths.retired_dir) == []
+    assert retired.retire(publish(paths, 1, fill=1)) and retired.spares == 1
+    dest = paths.tmp_file(0, 2, 0, os.getpid())
+    os.mkdir(dest)  # planted where the next writer writes: its own create fails on it, as before spares
+    assert not retired.take_spare(dest)
+    assert retired.spares == 0
+    assert sorted(os.listdir(paths.tmp_dir)) == sorted([f"{SPARE_PREFIX}7", os.path.basename(dest)])
+
+
+def test_a_spare_with_a_second_name_is_not_written_through(paths, tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"v" * LAYOUT.size)
+    path = paths.tmp_file(0, 0, 0, os.getpid())
+    os.link(victim, path)
+    fd = open_spare(path, LAYOUT.size)
+    try:
+        os.pwrite(fd, b"\1" * LAYOUT.size, 0)
+    finally:
+        os.close(fd)
+    assert victim.read_bytes() == b"v" * LAYOUT.size and os.stat(path).st_nlink == 1
 
 
 @pytest.mark.parametrize("what", ["missing", "short", "symlink", "fifo"])

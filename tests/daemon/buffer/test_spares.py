@@ -127,8 +127,9 @@ def test_spares_no_task_takes_give_their_memory_back(tmp_path, jpeg_folder, serv
     )
     wait_until(lambda: status()["spare_batches"] == 0, timeout_s=SPARE_IDLE_S + 5, what="idle spares to be freed")
     assert _spare_files(job.paths) == []
-    buffer = wait_until(lambda: (b := status())["files_bytes"] == b["used_bytes"] and b, what="the files to match")
-    assert buffer["used_bytes"] == 0  # nothing is read, nothing is kept
+    # The ledger agrees with the folder again (a late report of the leaving loader may bring a
+    # window back: its batches, not spares).
+    wait_until(lambda: (b := status())["files_bytes"] == b["used_bytes"] and b, what="the files to match")
 
 
 def test_a_daemon_stopped_with_keep_keeps_batches_not_spares(tmp_path, jpeg_folder, serve):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -305,3 +306,39 @@ def test_a_missing_opencv_is_refused_by_the_config_check_naming_it(tmp_path):
     result = cli("start", "--data", str(tmp_path), "--decoder", "simplejpeg", env=env)
     assert result.returncode == 2, result.stderr
     assert "(cv2 is missing): pip install opencv-python-headless simplejpeg" in result.stderr
+
+
+@pytest.mark.parametrize("foreground", [False, True], ids=["detached", "foreground"])
+@pytest.mark.parametrize(("limit", "workers"), [(15, 1), (40, 1), (60, 4)])
+def test_an_open_file_limit_too_low_for_the_daemon_is_refused_before_anything_is_made(
+    tmp_path, jpeg_folder, job_root, foreground, limit, workers
+):
+    # Found by an attack of the forked launch: under `ulimit -n` 9-21 a start ran out of
+    # descriptors part way (exit 70) and, still out of them, could not remove the folder it made.
+    config = write_config(tmp_path, jpeg_folder, workers=workers)
+    result = subprocess.run(
+        [sys.executable, "-m", "prefetchd", "start", str(config), *(["--foreground"] if foreground else [])],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit)),
+    )
+    assert_one_clear_message(result, 1, f"open-file limit (ulimit -n) is {limit}", "ulimit -n 1024")
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert list(job_root.iterdir()) == [], "the refused start left something"
+
+
+def test_a_low_soft_open_file_limit_is_raised_to_the_hard_one(tmp_path, jpeg_folder, job_root):
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    config = write_config(tmp_path, jpeg_folder)
+    result = subprocess.run(
+        [sys.executable, "-m", "prefetchd", "start", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (20, hard)),
+    )
+    assert result.returncode == 0, result.stderr
+    paths = JobPaths.of("job")
+    assert f"open-file limit raised from 20 to {hard}" in paths.log.read_text()
+    assert cli("stop", "job").returncode == 0
