@@ -207,4 +207,5 @@ def test_a_loader_dropped_between_epochs_is_collected_and_leaves_no_thread(tmp_p
     gc.collect()
     assert gone() is None
     wait_until(lambda: not readahead_threads(), what="no read-ahead thread after the loader was collected")
-    assert not locked_by_a_reader(paths.batch(1, 0, 0))  # its mapping went with it
+    # Its mapping went with it, closed on the unmapper's thread a moment later (unmapper.py).
+    wait_until(lambda: not locked_by_a_reader(paths.batch(1, 0, 0)), what="the mapping's lock to go")
