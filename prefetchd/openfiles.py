@@ -15,7 +15,7 @@ import resource
 
 from prefetchd.errors import UserError
 
-_BASE = 48  # the daemon's own at start (16), with room for trainers and status requests
+_BASE = 64  # the daemon's own at start (16), and room for trainers' connections and status requests
 _PER_WORKER = 4
 
 

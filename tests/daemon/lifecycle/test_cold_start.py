@@ -92,14 +92,14 @@ def test_a_start_with_its_stdio_closed_serves_and_says_so(tmp_path, jpeg_folder,
 
 def test_the_daemon_and_its_processes_hold_no_descriptor_of_the_command(tmp_path, jpeg_folder, job_root):
     # Attack of the forked launch: a descriptor the command inherited above its soft limit (a
-    # shell's `exec 100>&1`, then `ulimit -n 64`) stayed open in the daemon, its server and its
+    # shell's `exec 100>&1`, then `ulimit -Sn 64`) stayed open in the daemon, its server and its
     # workers, which the old exec never let through; `$(prefetchd start ...)` then hung for the
     # job's whole life, its pipe held open. And 3..40 below the limit.
     config = write_config(tmp_path, jpeg_folder, workers=1)
     marker = tmp_path / "held-by-the-command"
     script = tmp_path / "start.sh"
     script.write_text(
-        f'exec 100>"{marker}"\nfor fd in $(seq 3 40); do eval "exec $fd<{config}"; done\nulimit -n 64\n'
+        f'exec 100>"{marker}"\nfor fd in $(seq 3 40); do eval "exec $fd<{config}"; done\nulimit -Sn 64\n'
         f"{sys.executable} -m prefetchd start {config}\n"
     )
     # Captured as $(...) captures: returns only once every holder of the pipe has closed it.
