@@ -67,9 +67,16 @@ class BatchWriter:
         self._fd = open_spare(path, layout.size) if spare else _create_with_room(path, layout.size)
         self.arrays = self._buffer.arrays
 
-    def finish(self, epoch: int, step: int, rank: int, meta: dict | None = None) -> None:
-        _write_all(self._fd, self._buffer.seal(epoch, step, rank, meta))
-        self.close()
+    def finish(
+        self, epoch: int, step: int, rank: int, meta: dict | None = None, *, publish_as: str | None = None
+    ) -> bool:
+        """Write the header and the whole file. ``publish_as`` (a path in batches/): then give
+        the file written that name too (``link_written``); False if the name was taken."""
+        try:
+            _write_all(self._fd, self._buffer.seal(epoch, step, rank, meta))
+            return publish_as is None or link_written(self._fd, publish_as)
+        finally:
+            self.close()
 
     def close(self) -> None:
         self.arrays = {}
@@ -78,15 +85,33 @@ class BatchWriter:
             self._fd = -1
 
 
-def write_batch_file(path: str | os.PathLike, data, *, spare: bool = False) -> None:
+def write_batch_file(path: str | os.PathLike, data, *, spare: bool = False, publish_as: str | None = None) -> bool:
     """Write a batch made elsewhere (``data``: its whole file, as ``BatchBuffer.seal`` gives
     it) to a new file, with BatchWriter's free-space check and ``pwrite``, or over the spare
-    waiting at ``path``."""
+    waiting at ``path``; ``publish_as`` as in ``BatchWriter.finish``."""
     fd = open_spare(path, len(data)) if spare else _create_with_room(path, len(data))
     try:
         _write_all(fd, memoryview(data).cast("B"))
+        return publish_as is None or link_written(fd, publish_as)
     finally:
         os.close(fd)
+
+
+def link_written(fd: int, path: str) -> bool:
+    """Publish the file open as ``fd`` under ``path``: a hard link, atomic like rename, but it
+    fails if the name exists (False), so a batch is published once whoever made it. Linked
+    through ``/proc/self/fd``, so the name goes to the file this process wrote, whatever now
+    stands at its temporary name (linked by that name, a symlink a process swapped in there was
+    published in its place)."""
+    folder, name = os.path.split(path)
+    dir_fd = os.open(folder or ".", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        os.link(f"/proc/self/fd/{fd}", name, dst_dir_fd=dir_fd, follow_symlinks=True)  # linkat, AT_SYMLINK_FOLLOW
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        os.close(dir_fd)
 
 
 def open_spare(path: str | os.PathLike, size: int) -> int:

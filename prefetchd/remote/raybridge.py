@@ -33,7 +33,7 @@ import numpy as np
 from prefetchd.messages import BootFailed, Done, ExecutorLost, Failed, Produce, Ready, decode, encode
 from prefetchd.remote import rayaddress, raycluster, rayinstance, rayresults, raytask
 from prefetchd.workers import kernel
-from prefetchd.workers.producer import BatchProducer, SampleProgress, publish
+from prefetchd.workers.producer import BatchProducer, SampleProgress
 from prefetchd.workers.spec import ProducerSpec, why_not_this_batch
 from prefetchd.workers.worker import _send, _send_heartbeats
 from prefetchd_client.batchfile import BatchFormatError, read_batch
@@ -194,8 +194,8 @@ class Bridge:
         """As a local worker publishes: a whole file in tmp/ (over the spare the master left
         there, if it did), then a link that fails if the batch is there."""
         tmp = self.local.paths.tmp_file(e, k, r, os.getpid())
-        write_batch_file(tmp, data, spare=spare)
-        return publish(self.local.paths, tmp, e, k, r)  # the relay removes the temporary name
+        # (the relay removes the temporary name)
+        return write_batch_file(tmp, data, spare=spare, publish_as=self.local.paths.batch_file(e, k, r))
 
     # -- losing the cluster ----------------------------------------------------------------
 

@@ -3,8 +3,9 @@
 Used by the worker processes, and in-process by tools that regenerate a batch. The pixels
 are written once into a buffer laid out as the batch file and reused by the worker (no
 stacking, no pickling), then into the file with one pwrite. The batch becomes visible by a
-hard link from ``tmp/`` into ``batches/``: atomic like rename, but it fails if the name
-exists, so a batch is published once even when two workers made it.
+hard link into ``batches/`` of the file written in ``tmp/`` (prefetchd_client.batchwriter
+``link_written``): atomic like rename, but it fails if the name exists, so a batch is
+published once even when two workers made it.
 """
 
 from __future__ import annotations
@@ -90,16 +91,6 @@ class SampleProgress:
     finished: int = 0
     current: tuple[int, str] | None = None  # (sample id, path) being made: named when it hangs
     io: Callable[[], dict] = dict  # each object store's counters (SampleReader.io_totals), once a producer runs
-
-
-def publish(paths: JobPaths, tmp: Path, epoch: int, step: int, rank: int) -> bool:
-    """Publish the whole file ``tmp``: a hard link into ``batches/``, atomic like rename, but it
-    fails if the name exists, so a batch is published once whoever made it. False if it was there."""
-    try:
-        os.link(tmp, paths.batch_file(epoch, step, rank))
-        return True
-    except FileExistsError:
-        return False
 
 
 def load_callable(ref: str):
@@ -336,8 +327,8 @@ class BatchProducer:
         writer = BatchWriter(tmp, self.layout, self._buffer, spare=spare)
         try:
             report = self.fill(writer.arrays, epoch, step, rank)
-            writer.finish(epoch, step, rank, self.meta(writer.arrays, report))
-            return publish(self.paths, tmp, epoch, step, rank), report
+            meta = self.meta(writer.arrays, report)
+            return writer.finish(epoch, step, rank, meta, publish_as=self.paths.batch_file(epoch, step, rank)), report
         finally:
             self.progress.current = None
             try:

@@ -184,3 +184,27 @@ def test_a_spare_that_is_not_one_is_replaced_by_a_new_file(paths, what, tmp_path
     assert os.path.isfile(path) and not os.path.islink(path) and st.st_size == LAYOUT.size
     assert target.read_bytes() == b"keep me"
     assert np.fromfile(path, np.uint8).min() == 1
+
+
+@pytest.mark.parametrize("swap", ["symlink", "another file"])
+def test_the_file_written_is_the_file_published_whatever_stands_at_its_name(paths, tmp_path, swap):
+    """Found by the second attack of spares: a process that swapped a symlink in at a worker's
+    temporary name between its write and its link got the symlink published (the trainer then
+    stopped on it). The worker links the file it holds open, not the name."""
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"v" * LAYOUT.size)
+    tmp = paths.tmp_file(0, 0, 0, os.getpid())
+    writer = BatchWriter(tmp, LAYOUT, BatchBuffer(LAYOUT))
+    writer.arrays["image"][:] = 3
+    writer.arrays["label"][:] = 0
+    os.rename(tmp, f"{tmp}.moved")  # the written file keeps its pages under another name
+    if swap == "symlink":
+        os.symlink(victim, tmp)
+    else:
+        os.link(victim, tmp)
+    dst = paths.batch_file(0, 0, 0)
+    assert writer.finish(0, 0, 0, publish_as=dst)
+    header, arrays = map_batch(dst)  # a regular file, the batch: a symlink would raise here
+    assert header["step"] == 0 and set(arrays["image"].reshape(-1).tolist()) == {3}
+    assert victim.read_bytes() == b"v" * LAYOUT.size
+    assert os.stat(dst).st_ino == os.stat(f"{tmp}.moved").st_ino
