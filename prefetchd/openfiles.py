@@ -27,10 +27,10 @@ def needed(config=None) -> int:
     return _BASE + _PER_WORKER * writers
 
 
-def ensure(config=None) -> int | None:
+def ensure(config=None) -> tuple[int, int] | None:
     """Raise the soft limit to the hard one (peers' connections must not run the master out at
     the common soft limit of 1,024); UserError, before anything is made, when even the hard one
-    is below ``needed(config)``. Returns the soft limit it raised, or None."""
+    is below ``needed(config)``. Returns (the soft limit it raised, the new one), or None."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     need = needed(config)
     if hard != resource.RLIM_INFINITY and hard < need:
@@ -45,4 +45,4 @@ def ensure(config=None) -> int | None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     except (ValueError, OSError):
         return None
-    return soft
+    return soft, hard

@@ -64,7 +64,7 @@ class BatchWriter:
             raise ValueError("the buffer was planned for another layout")
         self.layout = layout
         self._buffer = buffer or BatchBuffer(layout)
-        self._fd = open_spare(path, layout.size) if spare else _create_with_room(path, layout.size)
+        self._fd = _open_to_write(path, layout.size, spare)
         self.arrays = self._buffer.arrays
 
     def finish(
@@ -89,7 +89,7 @@ def write_batch_file(path: str | os.PathLike, data, *, spare: bool = False, publ
     """Write a batch made elsewhere (``data``: its whole file, as ``BatchBuffer.seal`` gives
     it) to a new file, with BatchWriter's free-space check and ``pwrite``, or over the spare
     waiting at ``path``; ``publish_as`` as in ``BatchWriter.finish``."""
-    fd = open_spare(path, len(data)) if spare else _create_with_room(path, len(data))
+    fd = _open_to_write(path, len(data), spare)
     try:
         _write_all(fd, memoryview(data).cast("B"))
         return publish_as is None or link_written(fd, publish_as)
@@ -112,6 +112,12 @@ def link_written(fd: int, path: str) -> bool:
         return False
     finally:
         os.close(dir_fd)
+
+
+def _open_to_write(path: str | os.PathLike, size: int, spare: bool) -> int:
+    """The descriptor a batch of ``size`` bytes is written through: over the spare waiting at
+    ``path``, or a new file there."""
+    return open_spare(path, size) if spare else _create_with_room(path, size)
 
 
 def open_spare(path: str | os.PathLike, size: int) -> int:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import resource
 import time
 from collections.abc import Callable
 
@@ -49,7 +48,7 @@ def start_master(
     clock = clock or StartClock()
     started_at = time.time()  # status's uptime and the manifest's started_at count the start-up too
     stopsignals.check_starting()  # here and between the steps below: a stop that came undoes the start
-    raised_from = openfiles.ensure(config)  # before anything is made: out of descriptors, nothing is undone
+    raised = openfiles.ensure(config)  # before anything is made: out of descriptors, nothing is undone
     jobdir = JobDir(paths)
     jobdir.note_existing()
     jobdir.acquire()  # raises without touching anything if another daemon runs
@@ -58,8 +57,8 @@ def start_master(
         context = zmq.Context()  # inside: a start that fails here still removes the folder it made
         jobdir.prepare()
         log_to(paths.log)
-        if raised_from is not None:
-            log.info("open-file limit raised from %d to %d", raised_from, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        if raised is not None:
+            log.info("open-file limit raised from %d to %d", *raised)
         log.info("starting job %s (pid %d): %s", paths.name, os.getpid(), json.dumps(config.to_json()))
         if config.metrics is not None:  # first: a port in use or a host that does not resolve costs nothing
             from prefetchd.ops.metrics_http import (
