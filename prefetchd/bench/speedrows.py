@@ -155,8 +155,8 @@ def scaling_rows(tp: dict, inprocess: dict, s: Settings) -> list[Row]:
                 f"{scaling:.2f} [{t['prefetchd'] / many:.2f} of the bare loops]",
                 f"{dl:.2f} [{best_dl / many:.2f}]",
                 "",
-                ">= 0.95",
-                scaling >= 0.95,
+                ">= 0.97",
+                scaling >= 0.97,
                 {
                     "inprocess_images_per_s": one,
                     "parallel_loops_images_per_s": many,

@@ -8,6 +8,8 @@ imported only when a Parquet sample is read.
 
 from __future__ import annotations
 
+import bisect
+from itertools import accumulate
 from types import MappingProxyType
 
 import numpy as np
@@ -22,15 +24,17 @@ class SampleReader:
         """``sources``: per source, its kind and its own keys (kinds.own_options), as the producer
         spec carries them."""
         self.index = index
-        self._sources, self._source_ends = list(sources), np.cumsum(source_sizes)
+        # a list, not an array: bisect on it takes 0.03 us a sample, np.searchsorted 1 us
+        self._sources, self._source_ends = list(sources), list(accumulate(source_sizes))
         self._readers: dict[int, SampleBytes] = {}
         self._uses: dict[int, tuple[int, int]] = {}  # the coming samples' use now and next in the plan (read_ahead)
 
-    def image_bytes(self, sid: int) -> bytes:
-        """The encoded image of sample ``sid``. ValueError (a bad sample) for one without a label
-        or an image, or a damaged container."""
+    def image_bytes(self, sid: int, path: str | None = None) -> bytes:
+        """The encoded image of sample ``sid`` (``path``: its index path, where the caller has
+        looked it up already). ValueError (a bad sample) for one without a label or an image, or
+        a damaged container."""
         place = self.index.kind(sid)
-        reader, path = self._reader(place), self.index.path(sid)
+        reader, path = self._reader(place), self.index.path(sid) if path is None else path
         a, b = self.index.member(sid) if place != FILE else (-1, -1)
         options = self._options(sid)
         if place != FILE and self.index.labels[sid] == NO_LABEL:
@@ -92,5 +96,5 @@ class SampleReader:
         return reader
 
     def _options(self, sid: int) -> dict:
-        source = int(np.searchsorted(self._source_ends, sid, side="right"))
+        source = bisect.bisect_right(self._source_ends, sid)
         return self._sources[source] if source < len(self._sources) else {}

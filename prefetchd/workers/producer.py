@@ -208,7 +208,7 @@ class BatchProducer:
         try:
             rng = self.plan.sample_rng(epoch, sid, pass_)
             if self._image is not None:
-                self._image.apply(path, rng, arrays["image"][slot], self.reader.image_bytes(sid))
+                self._image.apply(path, rng, arrays["image"][slot], self.reader.image_bytes(sid, path))
             else:
                 out = self._run_user_fn(sid, rng)
                 if out.keys() != arrays.keys() - _ADDED:

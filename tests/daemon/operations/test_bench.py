@@ -74,7 +74,8 @@ def test_quick_bench_reports_every_row_and_cleans_up(tmp_path):
         (run,) = cold["runs"][f"prefetchd_{decoder}"]
         assert 0 < run["start_s"] < run["first_batch_s"] and run["images"] == cold["images"] // 32 * 32 * cold["epochs"]
     steps = cold["start_breakdown_s"]
-    assert len(steps) == 4 and set(steps) == set(rows["start"]["values"]["steps"])
+    assert len(steps) == 4 and rows["start"]["values"]["imports, each alone in a fresh interpreter"] == steps
+    assert {"daemon launched", "daemon serving"} <= set(rows["start"]["values"]["steps_s"])  # the daemon's log
     assert not any(Path(p).exists() for p in cold["cleanup"])
     for kind in ("steady", "bursty"):
         assert report[kind]["prefetchd"][0]["timeline"]["buffer"], "no buffer samples for the timeline"
