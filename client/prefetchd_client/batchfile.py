@@ -74,6 +74,7 @@ from functools import cached_property
 
 import numpy as np
 
+from . import pagetables
 from .errors import BatchFormatError
 from .unmapper import UNMAPPER
 
@@ -374,7 +375,7 @@ def _still_named(path: str | os.PathLike, st: os.stat_result) -> bool:
 
 
 def map_batch(
-    path: str | os.PathLike, *, pin: bool = True, unmap_in_background: bool = False
+    path: str | os.PathLike, *, pin: bool = True, unmap_in_background: bool = False, populate: bool = False
 ) -> tuple[dict, dict[str, np.ndarray]]:
     """Map a batch file and return (header, arrays) without copying the data.
 
@@ -392,6 +393,8 @@ def map_batch(
 
     ``unmap_in_background``: once the arrays are freed, the mapping is closed on a background
     thread (prefetchd_client.unmapper), not in the thread that dropped the last of them.
+    ``populate``: the page-table entries of a valid batch are made now, in this thread, rather
+    than by the page faults of whichever thread first reads it (prefetchd_client.pagetables).
     """
     fd, st = _open_regular_file(path, pin)
     try:
@@ -402,6 +405,8 @@ def map_batch(
     finally:
         os.close(fd)  # the map keeps its own duplicate, and with it the lock
     header = parse_header(buf, size)
+    if populate:
+        pagetables.populate(buf)
     # One buffer export for the whole file, then a view per field: cheaper than a
     # frombuffer per field. Offsets are multiples of 64, so every view is aligned.
     whole = np.frombuffer(buf, dtype=np.uint8)

@@ -459,7 +459,7 @@ class PrefetchLoader:
         delay, dead_since = _MIN_POLL_S, None
         while True:
             try:
-                header, arrays = batchfile.map_batch(path, unmap_in_background=True)
+                header, arrays = batchfile.map_batch(path, unmap_in_background=True, populate=True)
                 break
             except FileNotFoundError:
                 pass

@@ -10,12 +10,13 @@ batch (prefetchd_client.batchfile.map_batch) goes with the mapping, a moment lat
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import queue
 import threading
 import time
 import weakref
+
+from . import pagetables
 
 _RETRY_S = 0.001  # the array that announced its end still holds its export for a moment
 _RETRIES = 1000  # then some other export holds it: drop ours, and it unmaps when that one goes
@@ -47,7 +48,7 @@ class Unmapper:
             # releases its buffer export: until then close() raises BufferError.
             for _ in range(_RETRIES):
                 try:
-                    _drop_pages(buf)
+                    pagetables.drop(buf)  # first: munmap would hold the map lock for writing
                     buf.close()
                     break
                 except BufferError:
@@ -55,30 +56,4 @@ class Unmapper:
             del buf
 
 
-def _drop_pages(buf: mmap.mmap) -> None:
-    """Zap the mapping's pages with madvise(MADV_DONTNEED) first, through ctypes (which lets
-    go of the GIL). munmap holds the process's memory-map lock for writing while it tears
-    down page tables, so every page fault of the trainer's threads waits for it (2-4 ms
-    stalls here); MADV_DONTNEED does the same work under the lock for reading, beside page
-    faults, and leaves munmap nothing to do."""
-    if _madvise is None or len(buf) == 0:
-        return
-    view = ctypes.c_char.from_buffer(buf)  # an export: released below, before close()
-    try:
-        _madvise(ctypes.addressof(view), len(buf), mmap.MADV_DONTNEED)
-    finally:
-        del view
-
-
-def _libc_madvise():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    fn.restype = ctypes.c_int
-    return fn
-
-
-_madvise = _libc_madvise() if hasattr(mmap, "MADV_DONTNEED") else None
 UNMAPPER = Unmapper()
