@@ -17,7 +17,9 @@ they were.
 from __future__ import annotations
 
 import ctypes
+import errno
 import mmap
+import sys
 
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux's value; Python 3.11 does not name it
 
@@ -32,8 +34,8 @@ def _libc_madvise():
     return fn
 
 
-_madvise = _libc_madvise() if hasattr(mmap, "MADV_DONTNEED") else None  # Linux (and macOS: no populate)
-_can_populate = _madvise is not None
+_madvise = _libc_madvise() if hasattr(mmap, "MADV_DONTNEED") else None
+_can_populate = _madvise is not None and sys.platform == "linux"  # the advice's number is Linux's
 
 
 def populate(buf: mmap.mmap) -> None:
@@ -41,7 +43,7 @@ def populate(buf: mmap.mmap) -> None:
     global _can_populate
     if not _can_populate or len(buf) == 0:
         return
-    if _advise(buf, _MADV_POPULATE_READ) != 0 and ctypes.get_errno() == 22:  # EINVAL: a kernel before 5.14
+    if _advise(buf, _MADV_POPULATE_READ) != 0 and ctypes.get_errno() == errno.EINVAL:  # a kernel before 5.14
         _can_populate = False
     # Any other failure (EFAULT: the file was cut short under the map; ENOMEM) leaves the pages
     # to fault in as before: the reader finds out what happened to the file, not this call.
