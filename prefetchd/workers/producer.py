@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import numpy.random  # noqa: F401 - numpy loads it on first use (5-10 ms): here, once in the worker server
 from PIL import Image
 
 from prefetchd.errors import describe
