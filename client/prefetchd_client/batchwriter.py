@@ -73,8 +73,7 @@ class BatchWriter:
         """Write the header and the whole file. ``publish_as`` (a path in batches/): then give
         the file written that name too (``link_written``); False if the name was taken."""
         try:
-            _write_all(self._fd, self._buffer.seal(epoch, step, rank, meta))
-            return publish_as is None or link_written(self._fd, publish_as)
+            return _write_and_publish(self._fd, self._buffer.seal(epoch, step, rank, meta), publish_as)
         finally:
             self.close()
 
@@ -91,8 +90,7 @@ def write_batch_file(path: str | os.PathLike, data, *, spare: bool = False, publ
     waiting at ``path``; ``publish_as`` as in ``BatchWriter.finish``."""
     fd = _open_to_write(path, len(data), spare)
     try:
-        _write_all(fd, memoryview(data).cast("B"))
-        return publish_as is None or link_written(fd, publish_as)
+        return _write_and_publish(fd, memoryview(data).cast("B"), publish_as)
     finally:
         os.close(fd)
 
@@ -155,6 +153,12 @@ def _create_with_room(path: str | os.PathLike, size: int) -> int:
         os.unlink(path)
         raise
     return fd
+
+
+def _write_and_publish(fd: int, view: memoryview, publish_as: str | None) -> bool:
+    """The whole file's bytes through ``fd``, then its name in batches/ where asked (False: taken)."""
+    _write_all(fd, view)
+    return publish_as is None or link_written(fd, publish_as)
 
 
 def _write_all(fd: int, view: memoryview) -> None:

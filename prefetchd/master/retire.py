@@ -42,10 +42,9 @@ SPARE_IDLE_S = 2.0
 
 
 class RetiredBatches:
-    def __init__(self, folder: Path, spare_folder: Path, spare_size: int, keep_spares: bool = True):
+    def __init__(self, folder: Path, spare_folder: Path, spare_size: int):
         self.folder = folder
         self.pinned: dict[str, int] = {}  # name in retired/ -> bytes allocated on the filesystem
-        self.keep_spares = keep_spares
         self.spare_size = spare_size  # a batch file's: a file of any other size is no spare
         self._spares: list[tuple[str, float]] = []  # (path, when freed) of each spare, oldest first
         self._spare_prefix = os.path.join(os.fspath(spare_folder), SPARE_PREFIX)
@@ -152,7 +151,7 @@ class RetiredBatches:
             # and locks after us finds that the batch's name no longer leads to it. Only a file
             # of one batch's size with no other name becomes a spare: a worker overwrites it,
             # and a second name could lead out of the job folder (a hard link planted here).
-            if not (self.keep_spares and st.st_nlink == 1 and st.st_size == self.spare_size and self._keep(path)):
+            if not (st.st_nlink == 1 and st.st_size == self.spare_size and self._keep(path)):
                 os.unlink(path)
             self.pinned.pop(name, None)
             return True

@@ -192,9 +192,9 @@ class Bridge:
 
     def _publish(self, data, e: int, k: int, r: int, spare: bool) -> bool:
         """As a local worker publishes: a whole file in tmp/ (over the spare the master left
-        there, if it did), then a link that fails if the batch is there."""
+        there, if it did), then a link that fails if the batch is there. The relay removes the
+        temporary name, written or not."""
         tmp = self.local.paths.tmp_file(e, k, r, os.getpid())
-        # (the relay removes the temporary name)
         return write_batch_file(tmp, data, spare=spare, publish_as=self.local.paths.batch_file(e, k, r))
 
     # -- losing the cluster ----------------------------------------------------------------

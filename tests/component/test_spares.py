@@ -67,7 +67,7 @@ def test_spares_no_task_takes_are_unlinked(paths):
     assert retired.spares == 2
     retired.drop_idle_spares(time.monotonic() + SPARE_IDLE_S + 0.1)
     assert retired.spares == 0 and os.listdir(paths.tmp_dir) == []
-    unkept = RetiredBatches(paths.retired_dir, paths.tmp_dir, LAYOUT.size, keep_spares=False)
+    unkept = RetiredBatches(paths.retired_dir, paths.tmp_dir, LAYOUT.size + 1)  # no file of that size: none kept
     assert unkept.retire(publish(paths, 5, fill=5))
     assert unkept.spares == 0 and os.listdir(paths.tmp_dir) == [] and os.listdir(paths.retired_dir) == []
 
